@@ -1,0 +1,37 @@
+"""Attention over the paged KV cache: a PyTorch reference and Triton kernels, one interface.
+
+`get_attention_backend(name)` returns the pair (store_kv, paged_attention) with the
+signatures of `kernels.reference`. "torch" is the reference; "triton" the GPU kernels;
+"auto" picks Triton on CUDA and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from kernels.metadata import AttentionMetadata
+from kernels.reference import paged_attention_reference, store_kv_reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class AttentionBackend(NamedTuple):
+    name: str
+    store_kv: Callable
+    paged_attention: Callable
+
+
+def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        name = "triton" if device_type == "cuda" else "torch"
+    if name == "torch":
+        return AttentionBackend("torch", store_kv_reference, paged_attention_reference)
+    from kernels.triton_attention import paged_attention_triton
+    from kernels.triton_store import store_kv_triton
+
+    return AttentionBackend("triton", store_kv_triton, paged_attention_triton)
+
+
+__all__ = ["AttentionMetadata", "AttentionBackend", "get_attention_backend", "BACKENDS"]

@@ -1,0 +1,94 @@
+"""Plain PyTorch paged attention and KV-store: the oracle for the Triton kernels and the
+attention the engine runs on CPU. Same signatures as the Triton versions."""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_reference(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = skip
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each packed query block over its sequence's paged context.
+
+    Single-token queries (decodes) are computed together in one batched product; longer
+    query blocks (prefill chunks) one sequence at a time. Arithmetic is float32.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    decode_seqs = [s for s, n in enumerate(q_lens) if n == 1]
+    if decode_seqs:
+        _decode(query, key_cache, value_cache, block_tables, starts, lens, decode_seqs, scale, out)
+    for s, n in enumerate(q_lens):
+        if n > 1:
+            _prefill(query, key_cache, value_cache, block_tables[s], starts[s], n, lens[s], scale, out)
+    return out
+
+
+def _gathered_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., blocks * block_size, kv_heads, head_dim] in float32."""
+    gathered = cache[block_ids.long()]
+    return gathered.flatten(-4, -3).float()
+
+
+def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, scale, out):
+    block_size = key_cache.shape[1]
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    rows = torch.tensor([starts[s] for s in seqs])
+    ctx = torch.tensor([lens[s] for s in seqs])
+    num_blocks = -(-int(ctx.max()) // block_size)
+    tables = block_tables[torch.tensor(seqs)][:, :num_blocks]
+    k = _gathered_context(key_cache, tables)  # [S, C, KVH, D]
+    v = _gathered_context(value_cache, tables)
+    q = query[rows].float().view(len(seqs), num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
+    scores = torch.einsum("skgd,sckd->skgc", q, k) * scale
+    beyond = torch.arange(k.shape[1])[None, :] >= ctx[:, None]  # [S, C]
+    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    o = torch.einsum("skgc,sckd->skgd", probs, v)
+    out[rows] = o.reshape(len(seqs), -1, head_dim).to(out.dtype)
+
+
+def _prefill(query, key_cache, value_cache, block_table, start, q_len, seq_len, scale, out):
+    block_size = key_cache.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    k = _gathered_context(key_cache, block_table[:num_blocks])[:seq_len]  # [C, KVH, D]
+    v = _gathered_context(value_cache, block_table[:num_blocks])[:seq_len]
+    q = query[start : start + q_len].float()  # [Q, H, D]
+    group = q.shape[1] // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,chd->hqc", q, k) * scale
+    # Bottom-right causal alignment: the query block is the last q_len positions of the context.
+    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    o = torch.einsum("hqc,chd->qhd", scores.softmax(dim=-1), v)
+    out[start : start + q_len] = o.to(out.dtype)

@@ -1,0 +1,30 @@
+"""pagedq: continuous batching over a paged KV cache, offline (`LLM`) or as a Redis-backed service.
+
+The contracts (SamplingParams, outputs) import cheaply; the engine and its torch/model
+code load only when `LLM` or `LLMEngine` is first touched, so the api process never
+imports model code.
+"""
+
+from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedq.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "Logprob",
+]
+
+_LAZY = {"LLM": "pagedq.llm", "LLMEngine": "pagedq.engine", "EngineArgs": "pagedq.config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedq' has no attribute {name!r}")

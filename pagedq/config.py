@@ -1,0 +1,47 @@
+"""EngineArgs: how an engine is built. One definition shared by `LLM`, the worker and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    # "auto": the checkpoint's dtype on CUDA, float32 on CPU (CPUs lack fast bf16 matmuls).
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    # Tokens one step may process; prompts longer than this are prefilled in chunks.
+    max_num_batched_tokens: int = 2048
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    gpu_memory_utilization: float = 0.9
+    # KV cache byte budget when running on CPU, where there is no device memory to measure.
+    cpu_kv_cache_bytes: int = 1 << 30
+    # Fraction of blocks kept free when admitting new requests, so admission does not
+    # immediately force a preemption as the running sequences grow.
+    watermark: float = 0.01
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size": self.block_size >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "num_gpu_blocks_override": self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+            "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
+            "cpu_kv_cache_bytes": self.cpu_kv_cache_bytes > 0,
+            "watermark": 0.0 <= self.watermark < 1.0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

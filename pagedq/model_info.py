@@ -1,0 +1,46 @@
+"""Facts about a local Hugging Face checkpoint that both the api and the engine need,
+read without importing torch or building the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def check_model_dir(model: str | Path) -> Path:
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model: {str(model)!r} is not a local Hugging Face checkpoint directory (no config.json); "
+            "pagedq loads weights only from disk"
+        )
+    return path
+
+
+def load_hf_config(model: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(check_model_dir(model), local_files_only=True)
+
+
+def load_tokenizer(model: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(check_model_dir(model), local_files_only=True)
+
+
+def context_length(hf_config) -> int:
+    """The longest sequence (prompt + output) the checkpoint's positions support."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"cannot tell the context length of model type {hf_config.model_type!r}")
+
+
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = context_length(hf_config)
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
+    return requested
