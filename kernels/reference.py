@@ -36,7 +36,8 @@ def paged_attention_reference(
     """Causal attention of each packed query block over its sequence's paged context.
 
     Single-token queries (decodes) are computed together in one batched product; longer
-    query blocks (prefill chunks) one sequence at a time. Arithmetic is float32.
+    query blocks (prefill chunks) one sequence at a time. Arithmetic is float32. A lane
+    with no context (a padded CUDA-graph lane) outputs zeros.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -61,17 +62,18 @@ def _gathered_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
 def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, scale, out):
     block_size = key_cache.shape[1]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    rows = torch.tensor([starts[s] for s in seqs])
-    ctx = torch.tensor([lens[s] for s in seqs])
-    num_blocks = -(-int(ctx.max()) // block_size)
-    tables = block_tables[torch.tensor(seqs)][:, :num_blocks]
+    dev = query.device
+    rows = torch.tensor([starts[s] for s in seqs], device=dev)
+    ctx = torch.tensor([lens[s] for s in seqs], device=dev)
+    num_blocks = -(-max(lens[s] for s in seqs) // block_size)
+    tables = block_tables[torch.tensor(seqs, device=dev)][:, :num_blocks]
     k = _gathered_context(key_cache, tables)  # [S, C, KVH, D]
     v = _gathered_context(value_cache, tables)
     q = query[rows].float().view(len(seqs), num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
     scores = torch.einsum("skgd,sckd->skgc", q, k) * scale
-    beyond = torch.arange(k.shape[1])[None, :] >= ctx[:, None]  # [S, C]
+    beyond = torch.arange(k.shape[1], device=dev)[None, :] >= ctx[:, None]  # [S, C]
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # all-masked rows: zeros, not NaN
     o = torch.einsum("skgc,sckd->skgd", probs, v)
     out[rows] = o.reshape(len(seqs), -1, head_dim).to(out.dtype)
 
@@ -88,7 +90,7 @@ def _prefill(query, key_cache, value_cache, block_table, start, q_len, seq_len, 
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,chd->hqc", q, k) * scale
     # Bottom-right causal alignment: the query block is the last q_len positions of the context.
-    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores.masked_fill_(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+    scores.masked_fill_(torch.arange(seq_len, device=query.device)[None, :] > q_pos, float("-inf"))
     o = torch.einsum("hqc,chd->qhd", scores.softmax(dim=-1), v)
     out[start : start + q_len] = o.to(out.dtype)

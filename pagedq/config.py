@@ -26,7 +26,14 @@ class EngineArgs:
     # immediately force a preemption as the running sequences grow.
     watermark: float = 0.01
     attention_backend: str = "auto"
+    # Decode runs eagerly instead of replaying CUDA graphs.
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    # What a sequence preempted for lack of KV blocks does: recompute its KV later, or
+    # move its blocks to `swap_space` GiB of CPU memory (falling back to recompute when full).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         checks = {
@@ -37,10 +44,17 @@ class EngineArgs:
             "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
             "cpu_kv_cache_bytes": self.cpu_kv_cache_bytes > 0,
             "watermark": 0.0 <= self.watermark < 1.0,
+            "preemption_mode": self.preemption_mode in ("recompute", "swap"),
+            "swap_space": self.swap_space >= 0,
+            "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * (1 << 30))
 
     @classmethod
     def field_names(cls) -> set[str]:

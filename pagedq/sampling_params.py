@@ -46,10 +46,6 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:
-        if self.n > 1:
-            # Parallel sampling shares the prompt's blocks copy-on-write; until the block
-            # manager does that, refuse rather than silently run n separate requests.
-            raise ValueError("n: only n=1 is supported for now (parallel sampling is not implemented)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         return self

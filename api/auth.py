@@ -1,0 +1,24 @@
+"""Optional bearer-token auth: with `PAGEDQ_API_KEYS` set, every job endpoint needs one of the keys."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from api.errors import ApiError
+
+
+def authenticate(request: Request) -> str:
+    """FastAPI dependency: the caller's key ("" when auth is off). Keys are never logged."""
+    keys = request.app.state.settings.api_keys
+    if not keys:
+        return ""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+    # Compare against every key in constant time so timing does not reveal a prefix match.
+    matches = [hmac.compare_digest(token.encode(), key.get_secret_value().encode()) for key in keys]
+    if not any(matches):
+        raise ApiError(401, "invalid API key", {"WWW-Authenticate": "Bearer"})
+    return token

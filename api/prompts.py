@@ -1,0 +1,48 @@
+"""Tokenizes prompts in the api and rejects what could never run, before anything is queued."""
+
+from __future__ import annotations
+
+import threading
+
+from pagedq.model_info import context_length, load_hf_config, load_tokenizer
+from pagedq.protocol import GenerateRequest
+from pagedq.settings import Settings
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+class PromptChecker:
+    def __init__(self, settings: Settings):
+        model = settings.require_model()
+        hf_config = load_hf_config(model)
+        self.tokenizer = load_tokenizer(model)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.max_model_len = settings.max_model_len or context_length(hf_config)
+        self.max_prompt_tokens = settings.max_prompt_tokens
+        # Fast tokenizers are not safe to share across the threadpool's threads.
+        self._lock = threading.Lock()
+
+    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        else:
+            with self._lock:
+                ids = self.tokenizer.encode(request.prompt)
+        self._check_length(len(ids), request.max_tokens)
+        return ids
+
+    def _check_length(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            raise PromptTooLong(f"prompt: {prompt_tokens} tokens, more than the limit of {self.max_prompt_tokens}")
+        needed = prompt_tokens + (max_tokens or 1)
+        if needed > self.max_model_len:
+            raise PromptTooLong(
+                f"prompt: {prompt_tokens} tokens + max_tokens {max_tokens or 1} = {needed}, "
+                f"more than the model's context length of {self.max_model_len}"
+            )

@@ -1,0 +1,140 @@
+"""`pagedq bench offline`: one workload through pagedq and the transformers peers, in one
+process, on the same model, device, dtype and prompts; output tokens per second for each."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pagedq.bench.workload import Workload, add_workload_arguments, positive_int, workload_from_args
+from pagedq.cli import CommandError
+
+# torch and the peers load in run(), so building the `pagedq` parser stays cheap.
+if TYPE_CHECKING:
+    from pagedq.bench.peer import Peer, PeerRun
+
+PEER_NAMES = ("pagedq", "hf-generate-batch", "hf-generate")
+
+
+def parse_peers(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PEER_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(PEER_NAMES)} (comma-separated)")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a peer is listed twice")
+    return names
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face checkpoint directory")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="auto: float32 on CPU, the checkpoint's half type on CUDA")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_workload_arguments(parser)
+    parser.add_argument("--peers", type=parse_peers, default=list(PEER_NAMES),
+                        help=f"comma-separated, run in this order (default {','.join(PEER_NAMES)})")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16,
+                        help="requests per padded static batch for hf-generate (default 16)")
+    parser.add_argument("--verify", action="store_true",
+                        help="greedy sampling, then check pagedq's tokens equal each transformers peer's")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
+
+
+def build_peers(args: argparse.Namespace, device, dtype) -> list[Peer]:
+    from pagedq.bench.hf_peers import HFGenerateBatchPeer, HFGeneratePeer, HFModel
+    from pagedq.bench.pagedq_peer import PagedqPeer
+
+    hf = HFModel(args.model, device, dtype)
+    factories = {
+        "pagedq": lambda: PagedqPeer(args.model, device, dtype, args.seed),
+        "hf-generate-batch": lambda: HFGenerateBatchPeer(hf, args.seed),
+        "hf-generate": lambda: HFGeneratePeer(hf, args.hf_batch_size, args.seed),
+    }
+    return [factories[name]() for name in args.peers]
+
+
+def first_mismatch(expected: list[list[int]], actual: list[list[int]]) -> str | None:
+    """Where two peers' outputs first differ, in words; None when they are equal."""
+    for index, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        if want != got:
+            position = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            return (f"request {index} differs at output token {position}: "
+                    f"pagedq {want[position:position + 4]} vs {got[position:position + 4]}")
+    return None
+
+
+def verify(runs: list[PeerRun]) -> list[str]:
+    """Mismatch descriptions, one per transformers peer whose tokens differ from pagedq's."""
+    by_peer = {run.peer: run for run in runs}
+    reference = by_peer["pagedq"]
+    failures = []
+    for run in runs:
+        if run is not reference and (mismatch := first_mismatch(reference.token_ids, run.token_ids)):
+            failures.append(f"{run.peer}: {mismatch}")
+    return failures
+
+
+def short_counts(runs: list[PeerRun], workload: Workload) -> list[str]:
+    return [
+        f"{run.peer} produced {run.output_tokens} of the {workload.total_output_tokens} requested output tokens"
+        for run in runs
+        if run.output_tokens != workload.total_output_tokens
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedq.bench.peer import measure
+    from pagedq.bench.report import device_description, model_description, throughput_table, versions, write_json
+    from pagedq.model_info import context_length, load_hf_config
+    from worker.model_runner import resolve_device, resolve_dtype
+
+    if args.verify:
+        args.greedy = True
+        if "pagedq" not in args.peers or len(args.peers) < 2:
+            raise CommandError("--verify: needs pagedq and at least one transformers peer in --peers")
+    try:
+        hf_config = load_hf_config(args.model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        workload = workload_from_args(args, hf_config.vocab_size, context_length(hf_config))
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+    print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}); "
+          f"{workload.num_requests} requests, input {workload.input_len}, output {workload.output_len}, "
+          f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos",
+          flush=True)
+    runs = [measure(peer, workload, device, progress=True) for peer in build_peers(args, device, dtype)]
+
+    rows = [run.summary() for run in runs]
+    print()
+    print(throughput_table(rows))
+    print()
+    for run in runs:
+        print(f"  {run.peer}: {run.counting_rule}")
+
+    problems = short_counts(runs, workload)
+    record = {
+        "device": device_description(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "versions": versions(),
+        "model": model_description(args.model, hf_config),
+        "workload": workload.summary(),
+        "results": rows,
+    }
+    if args.verify:
+        problems += verify(runs)
+        record["verify"] = {"passed": not problems, "problems": problems}
+        if not problems:
+            print(f"verify: pagedq's greedy tokens equal {', '.join(r.peer for r in runs if r.peer != 'pagedq')}"
+                  f" on all {workload.num_requests} requests")
+    if args.json:
+        write_json(args.json, args, record)
+    for problem in problems:
+        print(f"FAILED: {problem}")
+    return 1 if problems else 0

@@ -1,0 +1,52 @@
+"""pagedq's own offline engine (`pagedq.LLM`) as a benchmark peer."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from pagedq.bench.peer import Generation
+from pagedq.bench.workload import Workload
+from pagedq.sampling_params import SamplingParams
+
+
+class PagedqPeer:
+    name = "pagedq"
+    counting_rule = "continuous batching; each request's max_tokens is its own output length (ignore_eos)"
+
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype, seed: int):
+        self.model_dir = model_dir
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self._llm = None
+
+    def setup(self, workload: Workload) -> None:
+        from pagedq import LLM
+
+        self._llm = LLM(
+            model=self.model_dir,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            seed=self.seed,
+        )
+
+    def generate(self, workload: Workload, progress: bool) -> Generation:
+        if self._llm is None:
+            raise RuntimeError(f"{self.name}: setup() must be called before generate()")
+        params = [
+            SamplingParams(temperature=workload.temperature, top_p=1.0, top_k=0, max_tokens=length, ignore_eos=True)
+            for length in workload.output_lens
+        ]
+        prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
+        outputs = self._llm.generate(prompts, params, use_tqdm=progress)
+        token_ids = [list(output.outputs[0].token_ids) for output in outputs]
+        return Generation(token_ids, sum(len(t) for t in token_ids))
+
+    def close(self) -> None:
+        # Free the KV cache before the next peer sizes its own from free device memory.
+        self._llm = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

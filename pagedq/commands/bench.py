@@ -1,0 +1,24 @@
+"""`pagedq bench {offline,serve,kernels}`: each subcommand's module brings its own arguments
+(`add_arguments(parser)`) and entry point (`run(args) -> int`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SUBCOMMANDS = {
+    "offline": ("pagedq.bench.offline", "offline throughput: pagedq vs transformers peers on one workload"),
+    "serve": ("pagedq.bench.serve", "online latency and throughput through the HTTP service"),
+    "kernels": ("pagedq.bench.kernels", "paged attention kernel timings"),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks", description=__doc__.splitlines()[0])
+    bench_subparsers = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        # Imported only when the CLI is built; the modules keep torch and model imports inside run().
+        module = importlib.import_module(module_name)
+        parser = bench_subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(parser)
+        parser.set_defaults(handler=module.run)

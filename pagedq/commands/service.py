@@ -1,0 +1,270 @@
+"""Service commands: `pagedq up | api | worker | submit | result | cancel`.
+
+Flags override the `PAGEDQ_*` environment (pagedq/settings.py); `pagedq up` hands its
+resolved settings to its children through that same environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from pagedq.cli import CommandError
+from pagedq.settings import Settings
+
+if TYPE_CHECKING:
+    from pagedq.client import Client
+
+CACHE_DIR = Path(os.environ.get("PAGEDQ_CACHE_DIR", Path.home() / ".cache" / "pagedq"))
+_READY_TIMEOUT_S = 300.0
+_STOP_TIMEOUT_S = 20.0
+
+
+def register(subparsers) -> None:
+    up = subparsers.add_parser("up", help="run Redis, the api and a worker on this machine (the quick start)")
+    _server_flags(up)
+    up.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    up.set_defaults(handler=cmd_up)
+
+    api = subparsers.add_parser("api", help="serve the HTTP api (uvicorn)")
+    _server_flags(api)
+    api.set_defaults(handler=cmd_api)
+
+    worker = subparsers.add_parser("worker", help="run a batch worker: one engine, many RQ jobs at once")
+    _server_flags(worker)
+    worker.set_defaults(handler=cmd_worker)
+
+    submit = subparsers.add_parser("submit", help="submit a prompt to a running service")
+    _client_flags(submit)
+    submit.add_argument("prompt")
+    mode = submit.add_mutually_exclusive_group()
+    mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
+    mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    submit.add_argument("--max-tokens", type=int)
+    submit.add_argument("--temperature", type=float)
+    submit.add_argument("--top-p", type=float)
+    submit.add_argument("--top-k", type=int)
+    submit.add_argument("--seed", type=int)
+    submit.add_argument("--stop", action="append", help="stop string (repeatable)")
+    submit.add_argument("--priority", type=int)
+    submit.add_argument("--idempotency-key")
+    submit.add_argument("--json", action="store_true", help="print the full JSON result")
+    submit.set_defaults(handler=cmd_submit)
+
+    result = subparsers.add_parser("result", help="show a job's status and (partial) result")
+    _client_flags(result)
+    result.add_argument("seq_id")
+    result.add_argument("--wait", type=float, help="wait up to this many seconds for the job to end")
+    result.set_defaults(handler=cmd_result)
+
+    cancel = subparsers.add_parser("cancel", help="cancel a queued or running job")
+    _client_flags(cancel)
+    cancel.add_argument("seq_id")
+    cancel.set_defaults(handler=cmd_cancel)
+
+
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local Hugging Face checkpoint directory (PAGEDQ_MODEL)")
+    parser.add_argument("--redis-url", help="PAGEDQ_REDIS_URL")
+    parser.add_argument("--host", help="api bind address (PAGEDQ_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="api port (PAGEDQ_PORT, default 8000)")
+    parser.add_argument("--queue-name", help="RQ queue (PAGEDQ_QUEUE_NAME)")
+    parser.add_argument("--device", help="worker device: auto, cpu, cuda (PAGEDQ_DEVICE)")
+    parser.add_argument("--dtype", help="PAGEDQ_DTYPE")
+    parser.add_argument("--max-model-len", type=int, help="PAGEDQ_MAX_MODEL_LEN")
+    parser.add_argument("--max-num-seqs", type=int, help="PAGEDQ_MAX_NUM_SEQS")
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", help="api base URL (PAGEDQ_URL, default http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", help="bearer key (PAGEDQ_API_KEY)")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    try:
+        return Settings().with_overrides(**vars(args))
+    except ValidationError as exc:
+        raise CommandError(f"invalid settings: {exc}") from None
+
+
+# ---- servers ------------------------------------------------------------------------
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = _settings(args)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import redis
+
+    from worker.rq_worker import run_worker
+
+    settings = _settings(args)
+    try:
+        run_worker(settings)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    except redis.exceptions.ConnectionError as exc:
+        raise CommandError(f"cannot reach Redis at {settings.redis_url}: {exc}") from None
+    return 0
+
+
+def default_model_dir() -> Path:
+    """A tiny random checkpoint, made once: enough to see the service work end to end."""
+    path = CACHE_DIR / "tiny-llama"
+    if not (path / "config.json").is_file():
+        from pagedq.tiny_model import make_tiny_model
+
+        print(f"pagedq: no --model given; writing a tiny random checkpoint to {path}", file=sys.stderr)
+        make_tiny_model(path, "llama")
+    return path
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pagedq.redis_server import redis_url_or_start
+
+    settings = _settings(args)
+    if args.workers < 1:
+        raise CommandError("--workers must be at least 1")
+    if not settings.model:
+        settings = settings.with_overrides(model=str(default_model_dir()))
+    redis_url, redis_server = redis_url_or_start(settings.redis_url, CACHE_DIR / "redis")
+    settings = settings.with_overrides(redis_url=redis_url)
+    stop_requested = False
+
+    def request_stop(signum, frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    env = {**os.environ, **settings.to_env()}
+    # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
+    children = [
+        subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env=env, start_new_session=True)
+        for role in ["api"] + ["worker"] * args.workers
+    ]
+    try:
+        if not _wait_until_ready(settings, children, lambda: stop_requested):
+            return 1 if not stop_requested else 0
+        print(f"pagedq is up: {settings.base_url}  (docs: {settings.base_url}/docs; Ctrl-C stops)", flush=True)
+        while not stop_requested:
+            if any(child.poll() is not None for child in children):
+                print("pagedq: a child process exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_children(children)
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _wait_until_ready(settings: Settings, children: list[subprocess.Popen], stopping) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while not stopping():
+        if any(child.poll() is not None for child in children):
+            print("pagedq: a child process exited during start-up", file=sys.stderr)
+            return False
+        try:
+            if httpx.get(f"{settings.base_url}/ready", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            print(f"pagedq: not ready after {_READY_TIMEOUT_S:.0f}s", file=sys.stderr)
+            return False
+        time.sleep(0.25)
+    return False
+
+
+def _stop_children(children: list[subprocess.Popen]) -> None:
+    # Workers first (they requeue what they cannot finish), then the api.
+    for child in reversed(children):
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for child in reversed(children):
+        try:
+            child.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+# ---- client -------------------------------------------------------------------------
+
+
+@contextmanager
+def _client(args: argparse.Namespace) -> Iterator[Client]:
+    """A Client for the command's URL/key; its errors become CommandErrors (clean message, exit 1)."""
+    from pagedq.client import Client, ClientError
+
+    settings = _settings(args)
+    api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    try:
+        with Client(settings.base_url, api_key=api_key) as client:
+            yield client
+    except ClientError as exc:
+        raise CommandError(exc.message if exc.status == 0 else str(exc)) from None
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    sampling = {
+        name: value
+        for name, value in {
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "priority": args.priority,
+        }.items()
+        if value is not None
+    }
+    with _client(args) as client:
+        seq_id = client.submit(args.prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
+        if args.stream:
+            for delta in client.stream(seq_id):
+                print(delta, end="", flush=True)
+            print()
+            return 0
+        if not args.wait:
+            print(json.dumps({"seq_id": seq_id}) if args.json else seq_id)
+            return 0
+        result = client.wait(seq_id)
+    print(json.dumps(result, indent=2) if args.json else result["text"])
+    if result["status"] != "finished":
+        raise CommandError(f"job {seq_id} {result['status']}: {result.get('error') or 'no result'}")
+    return 0
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.result(args.seq_id, wait=args.wait), indent=2))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.cancel(args.seq_id), indent=2))
+    return 0

@@ -1,0 +1,101 @@
+"""`LLM`: offline batched generation in this process, shaped like vLLM's.
+
+    from pagedq import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-checkpoint")
+    outputs = llm.generate(["Hello", "Summarize: ..."], SamplingParams(temperature=0, max_tokens=64))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedq.config import EngineArgs
+from pagedq.engine import LLMEngine, PromptType
+from pagedq.outputs import RequestOutput
+from pagedq.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        num_gpu_blocks_override: int | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+        **engine_kwargs: Any,
+    ):
+        unknown = set(engine_kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
+        args = EngineArgs(
+            model=str(model), dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks_override=num_gpu_blocks_override,
+            max_model_len=max_model_len, seed=seed, skip_tokenizer_init=skip_tokenizer_init, **engine_kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} given for {len(prompt_list)} prompts; give one or one per prompt"
+                )
+        request_ids = self._add_requests(prompt_list, params_list)
+        return self._run(request_ids, use_tqdm)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, sp)
+                request_ids.append(request_id)
+        except ValueError:
+            # All or nothing: none of this call's requests stays queued.
+            engine.abort_request(request_ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            generated = 0
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        generated += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / max(bar.format_dict['elapsed'], 1e-9):.0f} out tok/s", refresh=False)
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,158 @@
+"""The service's wire contracts, shared by api, worker and client.
+
+- `GenerateRequest`: the body of POST /generate (SamplingParams' fields by vLLM's names,
+  plus the prompt and a priority).
+- `JobPayload`: the kwargs of the RQ job (JSON, never pickle) that the api enqueues and
+  `worker.jobs.generate` / the batch worker read back.
+- `GenerationResult`: the job's return value, identical whichever worker ran it.
+- `Progress`: the partial result a running job keeps in `job.meta["progress"]`.
+- `ResultResponse`: GET /result's body, built from the above.
+- Stream events: what goes into the per-job Redis stream that GET /stream relays.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+
+from pagedq.outputs import RequestOutput
+from pagedq.sampling_params import SamplingParams
+
+# The RQ job function, by dotted path so the api never imports engine code.
+JOB_FUNCTION = "worker.jobs.generate"
+# RQ job ids (our seq_ids) must match this.
+SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+PROGRESS_META_KEY = "progress"
+
+JobState = Literal["queued", "running", "finished", "failed", "canceled"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def stream_key(seq_id: str) -> str:
+    return f"pagedq:stream:{seq_id}"
+
+
+class GenerateRequest(SamplingParams):
+    """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
+
+    prompt: StrictStr | None = None
+    prompt_token_ids: list[int] | None = None
+    priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt: must be non-empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids: must be non-empty")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.model_validate(self.model_dump(include=set(SamplingParams.model_fields)))
+
+
+class JobPayload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams
+    priority: int = 0
+    enqueued_at: float
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    """Wall-clock times (time.time()) of the job's life; None until reached."""
+
+    enqueued: float | None = None
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Progress(BaseModel):
+    """The partial result of a running job, kept in job.meta."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    prompt_tokens: int = 0
+    first_token: float | None = None
+    # 1 for the first run; a requeued job (its worker died) starts over with attempt 2, ...
+    attempt: int = 0
+
+
+class GenerationResult(BaseModel):
+    seq_id: str
+    prompt: str | None
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    # Per generated token: {token id (as a JSON key): logprob}.
+    logprobs: list[dict[str, float]] | None = None
+    usage: Usage
+    timings: Timings
+
+    @classmethod
+    def from_output(cls, output: RequestOutput, prompt: str | None, enqueued_at: float, started_at: float | None) -> GenerationResult:
+        completion = output.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in completion.logprobs]
+        return cls(
+            seq_id=output.request_id,
+            prompt=prompt,
+            text=completion.text,
+            token_ids=list(completion.token_ids),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            cumulative_logprob=completion.cumulative_logprob,
+            logprobs=logprobs,
+            usage=Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(completion.token_ids)),
+            timings=Timings(
+                enqueued=enqueued_at,
+                started=started_at,
+                first_token=output.metrics.first_token_time,
+                finished=output.metrics.finished_time,
+            ),
+        )
+
+
+class SubmitResponse(BaseModel):
+    seq_id: str
+    status: JobState
+    result_url: str
+
+
+class ResultResponse(BaseModel):
+    seq_id: str
+    status: JobState
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings = Field(default_factory=Timings)
+    error: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the api returns."""
+
+    error: str
+    message: str
+
+
+# Stream events (fields of one Redis stream entry, all strings).
+EVENT_DELTA = "delta"  # {"type": "delta", "text": "..."}
+EVENT_RESET = "reset"  # a retried attempt starts over: drop the text received so far
+EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}

@@ -1,0 +1,94 @@
+"""The service's one configuration object: every knob of the api, worker and CLI.
+
+Values come from `PAGEDQ_*` environment variables (e.g. `PAGEDQ_REDIS_URL`,
+`PAGEDQ_API_KEYS=key1,key2`); CLI flags override them through `Settings.with_overrides`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="forbid", validate_assignment=True)
+
+    # Where things are.
+    redis_url: str | None = Field(None, description="None: `pagedq up` launches a local Redis.")
+    model: str | None = Field(None, description="Local Hugging Face checkpoint directory.")
+    queue_name: str = Field("pagedq", pattern=r"^[A-Za-z0-9_.:-]+$")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    # Engine (worker side; max_model_len is also the api's length check).
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    num_gpu_blocks: int | None = Field(None, ge=1, description="Override the KV cache size in blocks.")
+
+    # Client side (`pagedq submit/result/cancel`).
+    url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")
+    api_key: SecretStr | None = Field(None, description="The key the CLI sends.")
+
+    # Limits.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    max_queue_depth: int = Field(10_000, ge=1, description="Queued jobs beyond this get 429.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429.")
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1)
+    max_wait_s: float = Field(60.0, gt=0, description="Upper bound of GET /result?wait=.")
+
+    # Job lifetimes.
+    result_ttl_s: int = Field(24 * 3600, ge=1)
+    job_timeout_s: int = Field(3600, ge=1)
+    job_retries: int = Field(2, ge=0, description="Requeues after a worker dies mid-job.")
+    stream_ttl_s: int = Field(24 * 3600, ge=1)
+
+    # Worker loop.
+    max_inflight: int = Field(256, ge=1, description="Jobs one worker holds at once (also bounded by the engine).")
+    heartbeat_ttl_s: int = Field(15, ge=2, description="A dead worker's jobs are requeued this long after its last beat.")
+    reaper_interval_s: float = Field(2.0, gt=0)
+    progress_interval_s: float = Field(0.2, ge=0, description="Min seconds between partial-result writes per job.")
+    drain_timeout_s: float = Field(10.0, ge=0, description="SIGTERM: finish in-flight jobs for this long, then requeue.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """A copy with the given fields replaced; None means "not given" (a CLI flag left out)."""
+        given = {name: value for name, value in overrides.items() if value is not None and name in type(self).model_fields}
+        return self.model_validate({**self.model_dump(), **given})
+
+    @property
+    def base_url(self) -> str:
+        return (self.url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as `PAGEDQ_*` variables, for child processes to read back."""
+        env = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, list):
+                value = ",".join(v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in value)
+            env[f"PAGEDQ_{name.upper()}"] = str(value)
+        return env
+
+    def require_model(self) -> str:
+        if not self.model:
+            raise ValueError("model: no checkpoint given (set PAGEDQ_MODEL or pass --model)")
+        return self.model
+
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise ValueError("redis_url: no Redis given (set PAGEDQ_REDIS_URL or pass --redis-url)")
+        return self.redis_url

@@ -1,0 +1,38 @@
+"""Shared fixtures.
+
+`tiny_model_dir(arch="llama", **kwargs) -> Path` builds a random-weight checkpoint with
+`pagedq.tiny_model.make_tiny_model` (same keyword arguments: preset, seed, dtype,
+max_shard_size, and transformers config overrides such as `num_hidden_layers=3` or
+`tie_word_embeddings=True`). Each distinct set of arguments is built once per test session;
+treat the directory as read-only (copy it before editing files in it).
+
+`tiny_arch` is parametrized over every architecture `make_tiny_model` can write, so a
+test taking it runs once per architecture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedq.tiny_model import TINY_ARCHS, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def build(arch: str = "llama", **kwargs) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            built[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(params=TINY_ARCHS)
+def tiny_arch(request) -> str:
+    return request.param

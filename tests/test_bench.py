@@ -1,0 +1,130 @@
+"""`pagedq bench offline` end to end on a tiny model, through the real CLI entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedq.bench.offline import first_mismatch
+from pagedq.bench.workload import LengthRange, make_workload, parse_length_range
+from pagedq.cli import main
+
+ALL_PEERS = ("pagedq", "hf-generate-batch", "hf-generate")
+NUM_PROMPTS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return str(tiny_model_dir())
+
+
+def bench_offline(model_dir: str, *extra: str) -> list[str]:
+    return [
+        "bench", "offline", "--model", model_dir, "--device", "cpu",
+        "--num-prompts", str(NUM_PROMPTS), "--input-len", "3:24", "--output-len", "2:9",
+        "--hf-batch-size", "3", *extra,
+    ]
+
+
+def expected_output_tokens() -> int:
+    workload = make_workload(NUM_PROMPTS, LengthRange(3, 24), LengthRange(2, 9), vocab_size=512, seed=0,
+                             temperature=0.6)
+    return workload.total_output_tokens
+
+
+def test_offline_runs_every_peer_with_consistent_counts(model_dir, tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    assert main(bench_offline(model_dir, "--json", str(report))) == 0
+    table = capsys.readouterr().out
+
+    record = json.loads(report.read_text())
+    results = {row["peer"]: row for row in record["results"]}
+    assert tuple(results) == ALL_PEERS
+    total = expected_output_tokens()
+    assert record["workload"]["total_output_tokens"] == total
+    for peer, row in results.items():
+        # Every peer produced exactly the requested tokens: the throughputs are comparable.
+        assert row["requests"] == NUM_PROMPTS
+        assert row["output_tokens"] == total
+        assert row["seconds"] > 0
+        assert row["output_tokens_per_s"] == pytest.approx(total / row["seconds"])
+        line = next(line for line in table.splitlines() if line.startswith(peer + " "))
+        cells = line.split()
+        assert cells[1:3] == [str(NUM_PROMPTS), str(total)]
+        ratio = results["pagedq"]["output_tokens_per_s"] / row["output_tokens_per_s"]
+        assert cells[-1] == f"{ratio:.2f}x"
+    # Static batches decode to their longest request: more computed than counted.
+    assert results["hf-generate"]["computed_tokens"] >= total
+    assert results["hf-generate-batch"]["computed_tokens"] == total
+    assert record["model"]["config"]["vocab_size"] == 512
+    assert record["device"]["type"] == "cpu"
+    assert record["versions"]["transformers"]
+    assert record["command"]["options"]["num_prompts"] == NUM_PROMPTS
+
+
+def test_verify_passes_on_greedy(model_dir, tmp_path, capsys):
+    report = tmp_path / "verify.json"
+    assert main(bench_offline(model_dir, "--verify", "--json", str(report))) == 0
+    out = capsys.readouterr().out
+    assert "greedy" in out
+    assert "verify: pagedq's greedy tokens equal hf-generate-batch, hf-generate on all 4 requests" in out
+    record = json.loads(report.read_text())
+    assert record["verify"] == {"passed": True, "problems": []}
+    assert record["workload"]["temperature"] == 0.0
+
+
+def test_first_mismatch_names_request_and_position():
+    assert first_mismatch([[1, 2, 3], [4]], [[1, 2, 3], [4]]) is None
+    message = first_mismatch([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 7]])
+    assert message is not None and "request 1 differs at output token 2" in message
+    # A shorter output differs where it ends.
+    assert "output token 1" in first_mismatch([[1, 2]], [[1]])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--input-len", "10:5"], "LOW must be <= HIGH"),
+        (["--output-len", "0:4"], "lengths must be >= 1"),
+        (["--input-len", "a:b"], "is not LOW:HIGH"),
+        (["--num-prompts", "0"], "must be >= 1"),
+        (["--peers", "pagedq,vllm"], "choose from"),
+        (["--hf-batch-size", "-2"], "must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2_with_message(model_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(bench_offline(model_dir, *flags))
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--input-len", "1020:1020"], "context is 1024 tokens"),
+        (["--verify", "--peers", "hf-generate"], "--verify: needs pagedq"),
+    ],
+)
+def test_impossible_requests_exit_1_with_message(model_dir, flags, message, capsys):
+    assert main(bench_offline(model_dir, *flags)) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(bench_offline(str(tmp_path / "nope"))) == 1
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_length_range_and_workload_are_reproducible():
+    assert parse_length_range("7") == LengthRange(7, 7)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_length_range("1:2:3")
+    first = make_workload(20, LengthRange(5, 9), LengthRange(1, 3), vocab_size=50, seed=3, temperature=0.0)
+    again = make_workload(20, LengthRange(5, 9), LengthRange(1, 3), vocab_size=50, seed=3, temperature=0.0)
+    assert first == again
+    assert all(5 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in first.prompts)
+    assert all(1 <= n <= 3 for n in first.output_lens)
+    assert make_workload(20, LengthRange(5, 9), LengthRange(1, 3), 50, seed=4, temperature=0.0) != first

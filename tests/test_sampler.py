@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pagedq.sampling_params import SamplingParams
+from worker.sampler import Sampler, _apply_penalties
+
+EOS = 3
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=lambda: [0])
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+
+def make_sampler(vocab_size: int, seed: int = 0) -> Sampler:
+    return Sampler(vocab_size, eos_token_ids={EOS}, generator=torch.Generator().manual_seed(seed))
+
+
+def draw_many(probs: list[float], params: SamplingParams, draws: int = 4000) -> torch.Tensor:
+    """Sample `draws` rows with identical logits log(probs) in one batch; return token counts."""
+    logits = torch.tensor(probs).log().expand(draws, -1).contiguous()
+    out = make_sampler(len(probs))(logits, [Row(params) for _ in range(draws)])
+    return torch.bincount(torch.tensor(out.token_ids), minlength=len(probs))
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+def test_greedy_is_argmax_even_beside_sampled_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    greedy = SamplingParams(temperature=0.0)
+    hot = SamplingParams(temperature=5.0)
+    rows = [Row(greedy), Row(hot), Row(greedy), Row(hot), Row(greedy), Row(greedy)]
+    out = make_sampler(50)(logits, rows)
+    greedy_rows = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    assert [out.token_ids[i] for i in greedy_rows] == logits.argmax(-1)[greedy_rows].tolist()
+
+
+def test_logits_past_vocab_size_are_never_sampled():
+    logits = torch.zeros(1, 10)
+    logits[0, 9] = 100.0  # a padded embedding column
+    out = make_sampler(8)(logits, [Row(SamplingParams(temperature=0.0))])
+    assert out.token_ids[0] < 8
+
+
+def test_repetition_penalty_matches_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0]])
+    row = Row(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 0], output_token_ids=[1])
+    penalised = _apply_penalties(logits, [row])
+    # Seen tokens 0 (prompt) and 1 (output): positive divided, negative multiplied.
+    assert penalised.tolist() == [[1.0, -2.0, 0.5, -0.5, 3.0]]
+
+
+def test_frequency_and_presence_penalties_match_hand_computation():
+    logits = torch.zeros(1, 4)
+    row = Row(
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        prompt_token_ids=[3, 3, 3],  # prompt tokens are not penalised by these two
+        output_token_ids=[1, 1, 2],
+    )
+    penalised = _apply_penalties(logits, [row])
+    assert penalised.tolist() == [[0.0, -(2 * 0.5 + 0.25), -(0.5 + 0.25), 0.0]]
+
+
+def test_penalties_change_greedy_choice_only_for_penalised_rows():
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0]] * 2)
+    plain = Row(SamplingParams(temperature=0.0), prompt_token_ids=[0])
+    penalised = Row(SamplingParams(temperature=0.0, repetition_penalty=1.5), prompt_token_ids=[0])
+    out = make_sampler(4)(logits, [plain, penalised])
+    assert out.token_ids == [0, 1]  # 2.0 / 1.5 < 1.5
+
+
+def test_penalty_with_out_of_vocab_token_is_a_clear_error():
+    row = Row(SamplingParams(presence_penalty=1.0), output_token_ids=[99])
+    with pytest.raises(ValueError, match="token ids"):
+        make_sampler(4)(torch.zeros(1, 4), [row])
+
+
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.75), {0, 1}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),  # threshold 0.2 * 0.5 = 0.1
+        (SamplingParams(top_k=3, top_p=0.9, min_p=0.2), {0, 1, 2}),
+        (SamplingParams(top_k=-1), {0, 1, 2, 3}),
+    ],
+)
+def test_truncation_samples_exactly_the_allowed_tokens(params, allowed):
+    counts = draw_many(PROBS, params)
+    assert {i for i, c in enumerate(counts.tolist()) if c > 0} == allowed
+
+
+def test_top_k_renormalises_over_kept_tokens():
+    counts = draw_many(PROBS, SamplingParams(top_k=2), draws=8000)
+    assert abs(counts[0].item() / 8000 - 0.5 / 0.8) < 0.03
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_reshapes_distribution(temperature):
+    counts = draw_many(PROBS, SamplingParams(temperature=temperature), draws=20000).float()
+    expected = torch.tensor(PROBS) ** (1 / temperature)
+    expected /= expected.sum()
+    untempered = torch.tensor(PROBS)
+    # Critical value of chi-square with 3 degrees of freedom at p = 0.001 is 16.3.
+    assert chi_square(counts, expected) < 16.3
+    if temperature != 1.0:
+        assert chi_square(counts, untempered) > 100
+
+
+def test_seeded_row_samples_the_same_alone_and_in_a_batch_of_32():
+    vocab = 64
+    params = SamplingParams(seed=1234, temperature=0.9, top_p=0.9, top_k=20, repetition_penalty=1.2)
+    others = [
+        SamplingParams(seed=7, temperature=1.3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.7, presence_penalty=1.0, logprobs=3),
+    ]
+
+    def run(batch_size: int, position: int) -> list[int]:
+        gen = torch.Generator().manual_seed(99)
+        logit_gen = torch.Generator().manual_seed(5)
+        sampler = make_sampler(vocab, seed=batch_size)
+        rows = [Row(others[i % len(others)]) for i in range(batch_size - 1)]
+        target = Row(params, prompt_token_ids=[1, 2, 3])
+        rows.insert(position, target)
+        for _ in range(12):
+            logits = torch.randn(batch_size, vocab, generator=gen)
+            # The target's logits are the same whatever the batch.
+            logits[position] = torch.randn(vocab, generator=logit_gen)
+            out = sampler(logits, rows)
+            for row, token in zip(rows, out.token_ids):
+                row.output_token_ids.append(token)
+        return target.output_token_ids
+
+    alone = run(1, 0)
+    assert run(32, 17) == alone
+    assert run(32, 0) == alone
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_unseeded_rows_differ_across_steps():
+    counts = draw_many([0.25] * 4, SamplingParams(), draws=400)
+    assert (counts > 50).all()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_blocks_eos_and_stop_token_ids(ignore_eos):
+    logits = torch.tensor([[0.0, 1.0, 8.0, 9.0, 0.0]])  # eos (3) best, stop id 2 next
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2], ignore_eos=ignore_eos)
+    sampler = make_sampler(5)
+    early = sampler(logits, [Row(params, output_token_ids=[0])]).token_ids[0]
+    # With ignore_eos, eos is no stop token, so nothing needs to hold it back.
+    assert early == (EOS if ignore_eos else 1)
+    assert sampler(logits, [Row(params, output_token_ids=[0, 0])]).token_ids[0] == EOS
+
+
+def test_logprobs_are_raw_with_ranks_and_include_the_sampled_token():
+    logits = torch.tensor([[0.0, 1.0, 8.0, 9.0, 0.5]])
+    raw = torch.log_softmax(logits[0], -1).tolist()
+    # min_tokens forces the rank-3 token; penalties do not touch reported logprobs.
+    params = SamplingParams(
+        temperature=0.0, min_tokens=1, stop_token_ids=[2], repetition_penalty=3.0, logprobs=2
+    )
+    out = make_sampler(5)(logits, [Row(params, prompt_token_ids=[4])])
+    assert out.token_ids == [1]
+    assert out.logprobs[0] == pytest.approx(raw[1])
+    entries = out.top_logprobs[0]
+    assert {t: (e.rank, round(e.logprob, 5)) for t, e in entries.items()} == {
+        3: (1, round(raw[3], 5)),
+        2: (2, round(raw[2], 5)),
+        1: (3, round(raw[1], 5)),
+    }
+
+
+def test_logprobs_zero_returns_only_the_sampled_token():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    rows = [Row(SamplingParams(temperature=0.0, logprobs=0)), Row(SamplingParams(temperature=0.0))]
+    out = make_sampler(3)(logits.expand(2, -1), rows)
+    assert list(out.top_logprobs[0]) == [1] and out.top_logprobs[0][1].rank == 1
+    assert out.top_logprobs[1] is None
+    assert out.logprobs[1] == pytest.approx(math.log(math.e**2 / (1 + math.e**2 + math.e)))
+
+
+def test_bad_logits_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match="logits"):
+        make_sampler(4)(torch.zeros(2, 4), [Row(SamplingParams())])
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_sampler(4)(torch.zeros(1, 3), [Row(SamplingParams())])
+
+
+def test_callers_logits_are_left_untouched():
+    logits = torch.randn(3, 6)
+    before = logits.clone()
+    rows = [
+        Row(SamplingParams(temperature=0.0, min_tokens=2, repetition_penalty=2.0)),
+        Row(SamplingParams(top_k=2, top_p=0.5, min_p=0.3, seed=3)),
+        Row(SamplingParams(temperature=0.5, frequency_penalty=1.0), output_token_ids=[1]),
+    ]
+    make_sampler(6)(logits, rows)
+    assert torch.equal(logits, before)

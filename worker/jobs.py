@@ -1,0 +1,69 @@
+"""The RQ job function, `worker.jobs.generate`.
+
+The batch worker (worker/rq_worker.py) never calls it: it reads the same payload and
+runs many jobs through one engine. This function is the fallback that lets a plain
+`rq worker` run the service's jobs one at a time with the same result schema:
+
+    PAGEDQ_MODEL=/path/to/ckpt rq worker pagedq --serializer rq.serializers.JSONSerializer \
+        --worker-class rq.worker.SimpleWorker
+
+(SimpleWorker keeps the engine cached between jobs; the forking Worker rebuilds it each job.)
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from rq import get_current_job
+
+from pagedq.protocol import GenerationResult, JobPayload
+from pagedq.settings import Settings
+from worker.engine_factory import build_engine
+from worker.publisher import ProgressPublisher
+
+if TYPE_CHECKING:
+    from pagedq.engine import LLMEngine
+
+
+@lru_cache(maxsize=1)
+def _process_engine() -> LLMEngine:
+    return build_engine(Settings())
+
+
+def generate(**payload: Any) -> dict:
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("worker.jobs.generate runs inside an RQ worker")
+    request = JobPayload.model_validate(payload)
+    settings = Settings()
+    engine = _process_engine()
+    publisher = ProgressPublisher(settings.stream_ttl_s, settings.progress_interval_s)
+    started_at = time.time()
+
+    with job.connection.pipeline() as pipeline:
+        publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids))
+        pipeline.execute()
+    engine.add_request(
+        job.id,
+        {"prompt_token_ids": request.prompt_token_ids},
+        request.sampling,
+        arrival_time=request.enqueued_at,
+        priority=request.priority,
+    )
+    final = None
+    while final is None:
+        with job.connection.pipeline() as pipeline:
+            for output in engine.step():
+                if output.request_id != job.id:
+                    continue
+                publisher.update(pipeline, job, output)
+                if output.finished:
+                    final = output
+            pipeline.execute()
+    publisher.forget(job.id)
+
+    # No "end" event here: RQ records the result only after this returns, and the
+    # stream relay ends by itself once it sees the job's terminal status.
+    return GenerationResult.from_output(final, request.prompt, request.enqueued_at, started_at).model_dump(mode="json")

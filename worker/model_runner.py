@@ -1,0 +1,205 @@
+"""Turns a scheduled step into one forward pass: runs the step's block copies and swaps,
+packs every scheduled sequence's new tokens into flat tensors, runs the model over the
+paged KV cache it owns, and returns the logits of the sequences that sample this step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionMetadata, get_attention_backend
+from pagedq.config import EngineArgs
+from scheduler import SchedulerOutput
+from worker.cuda_graphs import DecodeGraphs
+from worker.kv_cache import KVCache, kv_cache_dtype
+from worker.models import load_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA was requested but no CUDA device is available")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return device
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {name!r}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    checkpoint = _DTYPES.get(str(checkpoint).removeprefix("torch."), torch.bfloat16)
+    return torch.bfloat16 if checkpoint == torch.float32 else checkpoint
+
+
+@dataclass
+class StepInputs:
+    """One step packed on the host: every scheduled sequence's new tokens back to back."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    # Rows of the packed tokens whose logits are wanted (the last token of each sampling sequence).
+    logits_indices: list[int]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def pack_step(out: SchedulerOutput, block_tables: list[list[int]], block_size: int) -> StepInputs:
+    inputs = StepInputs([], [], [], [], [], block_tables, [])
+    for item, table in zip(out.scheduled, block_tables):
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        inputs.input_ids += seq.token_ids[start:end]
+        span = range(start, end)
+        inputs.positions += span
+        inputs.slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        inputs.query_lens.append(item.num_new_tokens)
+        inputs.seq_lens.append(end)
+        if item.completes_prompt:
+            inputs.logits_indices.append(len(inputs.input_ids) - 1)
+    return inputs
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, hf_config, max_model_len: int):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
+        self.block_size = args.block_size
+        self.max_model_len = max_model_len
+        self.attention = get_attention_backend(args.attention_backend, self.device.type)
+        self.model = load_model(args.model, self.dtype, self.device, self.attention)
+        self.vocab_size = self.model.vocab_size
+        self.cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.kv_cache = KVCache.for_model(self.model, self.block_size, self.cache_dtype, self._decide_num_blocks(), self.device)
+        self.kv_cache.bind(self.model)
+        self.num_blocks = self.kv_cache.num_blocks
+        self.num_cpu_blocks = 0
+        if args.preemption_mode == "swap":
+            self.num_cpu_blocks = int(args.swap_space_bytes // self.kv_cache.bytes_per_block)
+            self.kv_cache.allocate_swap_space(self.num_cpu_blocks)
+        self.graphs = self._capture_decode_graphs()
+        logger.info(
+            "model on %s (%s), attention %s, KV cache %d blocks x %d tokens (%s), swap %d blocks, CUDA graphs: %s",
+            self.device, self.dtype, self.attention.name, self.num_blocks, self.block_size, self.cache_dtype,
+            self.num_cpu_blocks, self.graphs.sizes if self.graphs else "off",
+        )
+
+    # --- KV cache sizing ----------------------------------------------------------------
+
+    def _decide_num_blocks(self) -> int:
+        if self.args.num_gpu_blocks_override is not None:
+            return self.args.num_gpu_blocks_override
+        bytes_per_block = KVCache.block_bytes(self.model, self.block_size, self.cache_dtype)
+        if self.device.type == "cuda":
+            budget = self._free_cuda_bytes_for_cache()
+        else:
+            budget = self.args.cpu_kv_cache_bytes
+        # More blocks than every admitted sequence at full length could use is wasted memory.
+        useful = self.args.max_num_seqs * -(-self.max_model_len // self.block_size)
+        num_blocks = min(budget // bytes_per_block, useful)
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget is too small for a single block")
+        return int(num_blocks)
+
+    def _free_cuda_bytes_for_cache(self) -> int:
+        """Device memory left for the cache after the weights, the activations of the
+        largest step (measured by running it once on a throwaway cache) and the sampler's
+        full-vocabulary rows."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.args.max_num_batched_tokens, self.max_model_len)
+        scratch_blocks = -(-num_tokens // self.block_size)
+        scratch = KVCache.for_model(self.model, self.block_size, self.cache_dtype, scratch_blocks, self.device)
+        scratch.bind(self.model)
+        inputs = StepInputs(
+            input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slots=list(range(num_tokens)),
+            query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(scratch_blocks))],
+            logits_indices=[num_tokens - 1],
+        )
+        self._forward(inputs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch
+        self.model.bind_kv_caches([(None, None)] * self.model.num_layers)
+        torch.cuda.empty_cache()
+        # Logits, probabilities and noise of a full batch of sampling rows, in float32.
+        sampler_bytes = 4 * self.args.max_num_seqs * self.vocab_size * 4
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return max(0, int(total * self.args.gpu_memory_utilization) - peak - sampler_bytes)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.args.enforce_eager or self.attention.name != "triton":
+            return None
+        max_blocks = -(-self.max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.args.max_num_seqs, max_blocks, self.max_model_len, self.device)
+        graphs.capture()
+        return graphs
+
+    # --- a step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
+        """Run the step's block moves and one forward over every scheduled sequence;
+        returns float32 logits, one row per sequence that completes its prompt this step,
+        in scheduled order."""
+        # Order matters (see SchedulerOutput): a block freed by one move may be the
+        # destination of a later one.
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.copy_blocks(out.block_copies)
+        self.kv_cache.swap_in(out.swap_in)
+        if out.is_empty:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        return self._forward(pack_step(out, block_tables, self.block_size))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(inputs.seq_lens)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.block_tables)
+        else:
+            hidden = self.model(*self._eager_tensors(inputs))
+        if not inputs.logits_indices:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        rows = torch.tensor(inputs.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _eager_tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        width = max(len(t) for t in inputs.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in inputs.block_tables]
+        starts = [0]
+        for n in inputs.query_lens:
+            starts.append(starts[-1] + n)
+        metadata = AttentionMetadata(
+            slot_mapping=_to(inputs.slots, torch.int64, dev),
+            block_tables=_to(tables, torch.int32, dev),
+            query_start_loc=_to(starts, torch.int32, dev),
+            seq_lens=_to(inputs.seq_lens, torch.int32, dev),
+            max_query_len=max(inputs.query_lens),
+            max_seq_len=max(inputs.seq_lens),
+        )
+        return _to(inputs.input_ids, torch.int64, dev), _to(inputs.positions, torch.int64, dev), metadata
+
+
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,102 @@
+"""The contract between the model runner and every model implementation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata
+from worker.models.attention import PagedAttention
+from worker.models.layers import MergedLinear
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes."""
+
+    param: str  # a name from model.named_parameters()
+    shard: int | None = None  # the projection's index inside a MergedLinear
+    transpose: bool = False  # GPT-2's Conv1D stores weights as [in, out]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a packed token axis and a paged KV cache.
+
+    Subclasses build their modules (named like the checkpoint's, so most tensors map by
+    name), implement `forward`, `weight_target` and `output_embedding`.
+    """
+
+    def __init__(self, hf_config, *, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int):
+        super().__init__()
+        self.hf_config = hf_config
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """[T] token ids at [T] positions, every scheduled sequence packed back to back ->
+        final hidden states [T, hidden]."""
+        raise NotImplementedError
+
+    def output_embedding(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix that maps hidden states to logits."""
+        raise NotImplementedError
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """Where checkpoint tensor `name` loads; None for tensors to skip."""
+        raise NotImplementedError
+
+    def init_buffers(self) -> None:
+        """Fill tables derived from the config (not the checkpoint) once the model is on its device."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.output_embedding()).float()
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = [m for m in self.modules() if isinstance(m, PagedAttention)]
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} (key_cache, value_cache) pairs, got {len(kv_caches)}")
+        for layer, (key_cache, value_cache) in zip(layers, kv_caches):
+            layer.kv_cache = (key_cache, value_cache)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each checkpoint tensor into its parameter (casting to the parameter's dtype
+        and device); every parameter, and every shard of a merged one, must be filled."""
+        params = dict(self.named_parameters())
+        pending = {(name, shard) for name in params for shard in self._shards_of(name)}
+        for ckpt_name, tensor in weights:
+            target = self.weight_target(ckpt_name)
+            if target is None:
+                continue
+            if target.param not in params:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in {type(self).__name__}")
+            dest = params[target.param]
+            if target.shard is not None:
+                start, rows = self._owner(target.param).shard_rows(target.shard)
+                dest = dest.narrow(0, start, rows)
+            if target.transpose:
+                tensor = tensor.t()
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            pending.discard((target.param, target.shard))
+        if pending:
+            missing = sorted(f"{name}[{shard}]" if shard is not None else name for name, shard in pending)
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+
+    def _owner(self, param_name: str) -> nn.Module:
+        return self.get_submodule(param_name.rpartition(".")[0])
+
+    def _shards_of(self, param_name: str) -> list[int | None]:
+        owner = self._owner(param_name)
+        return list(range(len(owner.output_sizes))) if isinstance(owner, MergedLinear) else [None]

@@ -1,0 +1,165 @@
+"""One implementation of the Llama-style decoder (pre-norm RMSNorm, rotary, grouped-query
+attention, gated MLP) shared by Llama, Mistral, Qwen2 and Qwen3, which differ only in the
+flags of `DecoderFlags`.
+
+Modules are named like the Hugging Face checkpoints' so tensors map by name; q/k/v and
+gate/up are each fused into one matmul at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+from worker.models.attention import PagedAttention
+from worker.models.base import CausalLM, WeightTarget
+from worker.models.layers import MergedLinear, RMSNorm, activation
+from worker.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+
+
+def _llama_flags(cfg) -> DecoderFlags:
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def _qwen3_flags(cfg) -> DecoderFlags:
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+
+
+DECODER_FLAGS: dict[str, Callable[[object], DecoderFlags]] = {
+    "LlamaForCausalLM": _llama_flags,
+    "MistralForCausalLM": lambda cfg: DecoderFlags(),
+    "Qwen2ForCausalLM": lambda cfg: DecoderFlags(qkv_bias=True),
+    "Qwen3ForCausalLM": _qwen3_flags,
+}
+
+# Checkpoint projection name -> (fused module name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _num_kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+        super().__init__()
+        num_heads, num_kv_heads, head_dim = cfg.num_attention_heads, _num_kv_heads(cfg), _head_dim(cfg)
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=flags.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=flags.o_bias)
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.qk_norm = flags.qk_norm
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        num_tokens, a = x.shape[0], self.attn
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, a.num_heads, a.head_dim)
+        k = k.view(num_tokens, a.num_kv_heads, a.head_dim)
+        v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, md))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg, flags: DecoderFlags):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=flags.mlp_bias)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=flags.mlp_bias)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DecoderAttention(cfg, flags, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg, flags)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, md)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        cos, sin = self.rotary(positions)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, md)
+        return self.norm(h)
+
+
+class DecoderLM(CausalLM):
+    def __init__(self, hf_config, flags: DecoderFlags, backend: AttentionBackend, tie_word_embeddings: bool):
+        super().__init__(
+            hf_config,
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=_num_kv_heads(hf_config),
+            head_dim=_head_dim(hf_config),
+            vocab_size=hf_config.vocab_size,
+        )
+        self.model = DecoderStack(hf_config, flags, backend)
+        self.lm_head = None if tie_word_embeddings else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_buffers(self) -> None:
+        self.model.rotary.init_buffers()
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        if name.startswith("lm_head.") and self.lm_head is None:
+            return None  # tied: the output projection is the input embedding
+        if "rotary_emb." in name:
+            return None  # older checkpoints saved the inverse frequencies; we derive them
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                return WeightTarget(".".join([*parts[:i], fused, *parts[i + 1 :]]), shard)
+        return WeightTarget(name)
