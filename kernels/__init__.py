@@ -1,8 +1,9 @@
 """Attention over the paged KV cache: a PyTorch reference and Triton kernels, one interface.
 
 `get_attention_backend(name)` returns the pair (store_kv, paged_attention) with the
-signatures of `kernels.reference`. "torch" is the reference; "triton" the GPU kernels;
-"auto" picks Triton on CUDA and the reference elsewhere.
+signatures of `kernels.reference`, the plain oracle every implementation is tested
+against. "torch" is fused SDPA over gathered blocks (kernels.torch_attention), the CPU
+engine's path; "triton" the GPU kernels; "auto" picks Triton on CUDA and torch elsewhere.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from kernels.metadata import AttentionMetadata
-from kernels.reference import paged_attention_reference, store_kv_reference
+from kernels.reference import store_kv_reference
+from kernels.torch_attention import paged_attention_torch
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -27,7 +29,7 @@ def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
     if name == "torch":
-        return AttentionBackend("torch", store_kv_reference, paged_attention_reference)
+        return AttentionBackend("torch", store_kv_reference, paged_attention_torch)
     from kernels.triton_attention import paged_attention_triton
     from kernels.triton_store import store_kv_triton
 

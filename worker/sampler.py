@@ -3,10 +3,12 @@
 Order of operations (as in vLLM): logprobs from the raw logits; then logits processors
 that change which token wins (min_tokens masking, repetition / frequency / presence
 penalties); greedy rows take the argmax there, so greedy equals Hugging Face's
-`generate`; sampled rows go on through temperature, top-k, top-p and min-p and draw with
-the exponential race (argmax of probs / Exp(1) noise), which lets each seeded row take
-its noise from its own generator: a seeded row samples the same tokens alone or in any
-batch. Every stage runs batched over the rows that need it and is skipped when none do.
+`generate`; sampled rows go on through temperature, top-k, top-p and min-p and draw by
+inverse CDF: one uniform number per row, looked up in the row's cumulative
+probabilities. A seeded row takes its number from its own generator, so it samples the
+same tokens alone or in any batch. (vLLM's exponential race needs a random number per
+vocabulary entry; on a CPU drawing those cost more than the model's matmuls.) Every
+stage runs batched over the rows that need it and is skipped when none do.
 """
 
 from __future__ import annotations
@@ -123,26 +125,23 @@ class Sampler:
             _apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
         if any(p.min_p > 0.0 for p in params):
             _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        probs = logits.softmax(dim=-1)
-        noise = self._exponential_noise(probs, rows)
-        return probs.div_(noise).argmax(dim=-1)
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        # The first token whose cumulative probability passes u * total. A masked token adds
+        # nothing to the sum, so no u can land on it; u < 1 keeps the target below the total.
+        target = torch.minimum(self._uniforms(rows, logits.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise: argmax(probs / noise) is a draw from probs. Seeded rows draw from
-        their own generator, so their noise does not depend on the rest of the batch."""
-        noise = torch.empty_like(probs)
-        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
-        if not seeded:
-            noise.exponential_(generator=self.generator)
-        else:
-            unseeded = [i for i, row in enumerate(rows) if row.generator is None]
-            if unseeded:
-                shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-                noise[unseeded] = shared.exponential_(generator=self.generator)
-            for i in seeded:
-                noise[i].exponential_(generator=rows[i].generator)
-        # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row; a seeded row's comes from its own generator."""
+        u = torch.empty(len(rows), device=device)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, device=device)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                u[i] = torch.rand(1, generator=row.generator, device=device)[0]
+        return u
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
