@@ -183,8 +183,6 @@ class BlockManager:
                 copies.append((shared.block_id, private.block_id))
                 table[index] = private
                 self.gpu.decref(shared)
-                # The copy is rewritten from write_from on: its old key no longer holds.
-                del self._keys[seq_id][index:]
         while len(table) < self.blocks_for(num_tokens):
             table.append(self.gpu.allocate())
         return copies

@@ -1,0 +1,355 @@
+"""The engine end to end on tiny random checkpoints: greedy float32 generation equals Hugging
+Face `generate` token for token (also when the KV cache is so small that sequences are
+preempted, and when the token budget is so small that prompts are prefilled in chunks),
+every block comes back, and bad input is refused without disturbing other requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedq import LLM, SamplingParams
+from pagedq.engine import LLMEngine
+
+MAX_TOKENS = 24
+# Prompt lengths straddling block edges (block size 16) and chunk edges.
+PROMPT_LENS = (1, 5, 16, 17, 33, 48)
+
+
+def random_prompts(vocab_size: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lens]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_total_blocks, bm.owners()
+    assert bm.num_swapped_blocks == 0
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", device="cpu")
+
+
+def test_greedy_equals_hf_generate(tiny_model_dir, tiny_arch):
+    model_dir = tiny_model_dir(tiny_arch)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    prompts = random_prompts(llm.llm_engine.vocab_size)
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert_all_blocks_free(llm.llm_engine)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_greedy_equals_hf_when_the_cache_forces_preemption(llama_dir, preemption_mode):
+    # 7 blocks of 16 tokens hold two of these sequences at most: the rest must wait or be preempted.
+    llm = LLM(
+        str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7,
+        preemption_mode=preemption_mode, swap_space=1e-3,
+    )
+    prompts = random_prompts(llm.llm_engine.vocab_size, lens=(40, 33, 20, 17, 45))
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    stats = llm.llm_engine.stats()
+    assert stats[f"num_preemptions_{preemption_mode}"] > 0
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full(llama_dir):
+    # Swap space for one block only: most preemptions must recompute instead.
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7, preemption_mode="swap")
+    engine = llm.llm_engine
+    bytes_per_block = engine.runner.kv_cache.bytes_per_block
+    llm = LLM(
+        str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7, preemption_mode="swap",
+        swap_space=bytes_per_block / (1 << 30),
+    )
+    prompts = random_prompts(llm.llm_engine.vocab_size, lens=(40, 33, 20, 17, 45))
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert llm.llm_engine.stats()["num_preemptions_recompute"] > 0
+    assert_all_blocks_free(llm.llm_engine)
+
+
+def test_greedy_equals_hf_with_chunked_prefill(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=7)
+    prompts = random_prompts(llm.llm_engine.vocab_size)
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    # Each step computed at most 7 tokens, so the prompts needed many steps to prefill.
+    stats = llm.llm_engine.stats()
+    assert stats["steps"] >= sum(PROMPT_LENS) // 7
+    assert stats["tokens_computed"] <= 7 * stats["steps"]
+
+
+def test_prefix_caching_changes_nothing_but_the_work(llama_dir):
+    shared = random_prompts(512, lens=(40,), seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts(512, lens=(1, 5, 9, 20), seed=4)]
+    outputs = {}
+    for caching in (False, True):
+        llm = LLM(str(llama_dir), dtype="float32", device="cpu", enable_prefix_caching=caching)
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # fills the cache
+        before = llm.llm_engine.stats()["prompt_tokens_computed"]
+        outputs[caching] = generate_ids(llm, prompts, GREEDY)
+        computed = llm.llm_engine.stats()["prompt_tokens_computed"] - before
+        if caching:
+            # The shared 40 tokens hold two full blocks (32 tokens), each cached once.
+            assert computed == sum(len(p) for p in prompts) - 32 * len(prompts)
+        else:
+            assert computed == sum(len(p) for p in prompts)
+    assert outputs[True] == outputs[False]
+
+
+def test_fully_cached_prompt_still_gets_its_first_token(llama):
+    prompt = random_prompts(512, lens=(32,), seed=5)[0]  # exactly two blocks
+    first = generate_ids(llama, [prompt], GREEDY)
+    hits_before = llama.llm_engine.stats()["prefix_cache_hits"]
+    assert generate_ids(llama, [prompt], GREEDY) == first
+    # Everything but the last token came from the cache; that one is recomputed for its logits.
+    assert llama.llm_engine.stats()["prefix_cache_hits"] - hits_before == 31
+    assert_all_blocks_free(llama.llm_engine)
+
+
+def test_blocks_come_back_after_abort(llama):
+    engine = llama.llm_engine
+    params = SamplingParams(temperature=0.8, max_tokens=50, ignore_eos=True, seed=1)
+    for i, prompt in enumerate(random_prompts(engine.vocab_size, seed=6)):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, params)
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_total_blocks
+    engine.abort_request(["abort-0", "abort-3", "unknown-id"])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert {finished[r].outputs[0].finish_reason for r in ("abort-0", "abort-3")} == {"abort"}
+    assert {finished[f"abort-{i}"].outputs[0].finish_reason for i in (1, 2, 4, 5)} == {"length"}
+    assert_all_blocks_free(engine)
+
+
+BAD_INPUT = [
+    ("", SamplingParams(), "prompt"),
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [1] * 1024}, SamplingParams(), "max_model_len"),
+    ({"prompt_token_ids": [1, 512]}, SamplingParams(), "prompt_token_ids"),
+    ({"prompt_token_ids": [1, -1]}, SamplingParams(), "prompt_token_ids"),
+    ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids"),
+    ({"text": "hi"}, SamplingParams(), "prompt"),
+    (42, SamplingParams(), "prompt"),
+    ("hello", {"temperature": 0.5}, "params"),
+    ({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[9999]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,field", BAD_INPUT)
+def test_bad_requests_raise_value_error_naming_the_field(llama, prompt, params, field):
+    engine = llama.llm_engine
+    engine.add_request("innocent", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == ["innocent"]
+    assert len(outputs[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": 7}, "stop"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"n": 0}, "n"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_sampling_params_raise_value_error_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_generate_with_a_bad_prompt_queues_nothing(llama):
+    with pytest.raises(ValueError, match="prompt"):
+        llama.generate(["fine", ""], GREEDY, use_tqdm=False)
+    assert not llama.llm_engine.has_unfinished_requests()
+    assert_all_blocks_free(llama.llm_engine)
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch_of_32(llama):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    prompt = {"prompt_token_ids": [10, 20, 30, 40]}
+    alone = llama.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": p} for p in random_prompts(512, lens=[3 + i for i in range(31)], seed=7)]
+    params = [SamplingParams(temperature=0.7 + 0.01 * i, max_tokens=5 + i, ignore_eos=True) for i in range(31)]
+    batch = llama.generate(others[:13] + [prompt] + others[13:], params[:13] + [seeded] + params[13:], use_tqdm=False)
+    assert batch[13].outputs[0].token_ids == alone
+    # An unseeded request is not tied to that stream.
+    unseeded = seeded.model_copy(update={"seed": None})
+    draws = {tuple(llama.generate([prompt], unseeded, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(draws) > 1
+
+
+def test_stop_string_cuts_the_text_and_names_itself(llama):
+    prompt = "the quick brown fox"
+    free = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    stop = free.text[10:13]
+    assert len(stop) == 3 and stop in free.text
+    cut = free.text[: free.text.index(stop)]
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=30, stop=[stop, "\u2603never"], include_stop_str_in_output=include)
+        out = llama.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == (cut + stop if include else cut)
+        assert out.token_ids == free.token_ids[: len(out.token_ids)]
+
+
+def test_stop_token_ids_max_tokens_and_eos(llama):
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    free = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    tokens = free.outputs[0].token_ids
+    assert free.outputs[0].finish_reason == "length" and len(tokens) == 20
+    stop_token = tokens[6]
+    out = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    first = tokens.index(stop_token)
+    assert out.outputs[0].token_ids == tokens[: first + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_token)
+    # min_tokens holds the stop token back until enough tokens exist.
+    held = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token], min_tokens=first + 2)
+    out = llama.generate([prompt], held, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > first + 1 and stop_token not in out.token_ids[: first + 2]
+
+
+def test_eos_ends_generation_unless_ignored(llama):
+    engine = llama.llm_engine
+    # Make the tokenizer's eos one of the tokens greedy decoding is known to produce.
+    prompt = {"prompt_token_ids": [21, 22, 23]}
+    tokens = llama.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = engine.sampler.eos_token_ids = {tokens[4]}
+    try:
+        out = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
+        ignored = llama.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    finally:
+        engine.eos_token_ids = engine.sampler.eos_token_ids = saved
+    first = tokens.index(tokens[4])
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    assert ignored.token_ids == tokens
+
+
+def test_logprobs_and_cumulative_logprob(llama_dir, llama):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [31, 32, 33, 34]
+    out = llama.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1 : -1]
+    expected = logits.log_softmax(-1)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert token in entry and len(entry) == 3  # greedy: the sampled token is the top one
+        assert entry[token].rank == 1
+        top = expected[step].topk(3)
+        assert list(entry) == top.indices.tolist()
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(expected[step, token_id].item(), abs=1e-4)
+            assert isinstance(logprob.decoded_token, str)
+        total += entry[token].logprob
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
+
+
+def test_metrics_are_ordered(llama):
+    out = llama.generate(["hello there"], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert out.prompt == "hello there" and out.prompt_token_ids and out.finished
+
+
+def test_priority_runs_first_with_one_slot(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_seqs=1)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for rid, priority in (("low-1", 5), ("low-2", 5), ("urgent", -1), ("mid", 0)):
+        engine.add_request(rid, {"prompt_token_ids": [7, 8, 9]}, params, priority=priority)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["urgent", "mid", "low-1", "low-2"]
+
+
+def test_parallel_sampling_shares_the_prompt(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": random_prompts(512, lens=(70,), seed=8)[0]}
+
+    def peak_blocks(prompts, params) -> int:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"peak-{i}-{id(sp)}", p, sp)
+        peak, outputs = 0, []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+            peak = max(peak, engine.block_manager.num_total_blocks - engine.block_manager.num_free_blocks)
+        assert_all_blocks_free(engine)
+        engine.block_manager.gpu = type(engine.block_manager.gpu)(engine.block_manager.num_total_blocks)  # drop the prefix cache
+        return peak, outputs
+
+    sample = SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=99, ignore_eos=True)
+    computed_before = engine.stats()["prompt_tokens_computed"]
+    shared_peak, (out,) = peak_blocks([prompt], [sample])
+    assert engine.stats()["prompt_tokens_computed"] - computed_before == 70  # the prompt, once
+    single = sample.model_copy(update={"n": 1})
+    separate_peak, separate = peak_blocks([prompt] * 4, [single.model_copy(update={"seed": 99 + i}) for i in range(4)])
+    assert shared_peak < separate_peak
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    # Output i draws from seed + i: forking (and copying shared blocks on write) changes nothing.
+    by_seed = {o.request_id: o.outputs[0].token_ids for o in separate}
+    assert [c.token_ids for c in out.outputs] == [by_seed[o] for o in sorted(by_seed, key=lambda r: int(r.split("-")[1]))]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_skip_tokenizer_init_takes_token_ids_only(llama_dir):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text"], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop"):
+        llm.generate([{"prompt_token_ids": [5]}], SamplingParams(stop=["x"]), use_tqdm=False)
