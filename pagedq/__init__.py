@@ -5,7 +5,8 @@ code load only when `LLM` or `LLMEngine` is first touched, so the api process ne
 imports model code.
 """
 
-from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedq.beam_search import BeamSearchParams
+from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
 __all__ = [
@@ -13,6 +14,9 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from blockmgr import BlockManager
+from pagedq.beam_search import BeamSearch, BeamSearchParams
 from pagedq.config import EngineArgs
 from pagedq.model_info import load_hf_config, load_tokenizer, resolve_max_model_len
-from pagedq.outputs import RequestMetrics, RequestOutput
+from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedq.sampling_params import SamplingParams
 from pagedq.sequence import Request, Sequence, SequenceStatus
 from scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -99,15 +100,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. Raises ValueError (naming the field) for input that can never
-        run; the engine's other requests are unaffected."""
+        """Queue a request: sampled (SamplingParams) or beam search (BeamSearchParams).
+        Raises ValueError (naming the field) for input that can never run; the engine's
+        other requests are unaffected."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params: expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.requests:
@@ -115,6 +117,10 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         text, token_ids = self._tokenize(prompt)
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            # What every beam shares; the sampler never sees beams.
+            params = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=beam.ignore_eos)
         self._check_request(token_ids, params)
         request = Request(
             request_id=request_id,
@@ -124,8 +130,14 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time()),
             priority=priority,
         )
+        if beam is not None:
+            request.beam_search = BeamSearch(beam, len(token_ids), self.eos_token_ids)
+        first = self._new_sequence(request, 0)
+        request.seqs.append(first)
+        if request.beam_search is not None:
+            request.beam_search.live.append(first)
         self.requests[request_id] = request
-        self.scheduler.add(self._new_sequence(request, 0))
+        self.scheduler.add(first)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -164,16 +176,19 @@ class LLMEngine:
 
     def _new_sequence(self, request: Request, index: int, parent: Sequence | None = None) -> Sequence:
         params = request.params
-        source = parent.token_ids if parent is not None else request.prompt_token_ids
-        seq = Sequence(request=request, index=index, token_ids=list(source))
+        seq = Sequence(request=request, index=index, token_ids=list(request.prompt_token_ids))
+        if parent is not None:
+            seq.token_ids = list(parent.token_ids)
+            seq.output_token_ids = list(parent.output_token_ids)
+            seq.cumulative_logprob = parent.cumulative_logprob
         if params.logprobs is not None:
             seq.logprobs = []
         if params.seed is not None:
             # Each of the n outputs gets its own stream, the same whatever else is batched.
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and request.beam_search is None:
+            # Beams are decoded once, when the search picks its best.
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
-        request.seqs.append(seq)
         return seq
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -222,20 +237,24 @@ class LLMEngine:
 
         rows: list[Sequence] = []
         row_of_logits: list[int] = []
+        beams: list[tuple[Sequence, int]] = []
         for logits_row, item in enumerate(sampling):
+            if item.seq.request.beam_search is not None:
+                beams.append((item.seq, logits_row))
+                continue
             seqs = [item.seq] + self._fork_if_first_sample(item.seq)
             rows += seqs
             row_of_logits += [logits_row] * len(seqs)
-        if not rows:
-            return outputs
-        if len(rows) != len(sampling):
-            logits = logits[torch.tensor(row_of_logits, device=logits.device)]
-        sampled = self.sampler(logits, rows)
 
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(rows):
-            self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], now)
-            touched[seq.request.request_id] = seq.request
+        if beams:
+            for request in self._report_beams(beams, logits):
+                touched[request.request_id] = request
+        if rows:
+            sampled = self.sampler(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
+            for i, seq in enumerate(rows):
+                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], now)
+                touched[seq.request.request_id] = seq.request
         for request in touched.values():
             if request.is_finished:
                 request.metrics.finished_time = time.time()
@@ -256,11 +275,64 @@ class LLMEngine:
         """Parallel sampling: when the prompt is done, the other n - 1 outputs branch off
         the first, sharing its blocks; all n draw their first token from the same logits."""
         request = parent.request
-        if request.forked:
+        if request.branched:
             return []
+        request.branched = True
         children = [self._new_sequence(request, index, parent) for index in range(1, request.params.n)]
+        request.seqs += children
         self.scheduler.fork(parent, children)
         return children
+
+    def _report_beams(self, beams: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[Request]:
+        """Each beam hands in its most likely next tokens; a request whose every live beam
+        has reported moves to its next beams. Returns the requests that finished."""
+        rows = torch.tensor([row for _, row in beams], device=logits.device)
+        width = max(seq.request.beam_search.num_candidates for seq, _ in beams)
+        top = logits[rows].log_softmax(dim=-1).topk(min(width, logits.shape[1]), dim=-1)
+        finished = []
+        for (seq, _), values, ids in zip(beams, top.values.tolist(), top.indices.tolist()):
+            search = seq.request.beam_search
+            k = search.num_candidates
+            if search.report(seq, seq.output_token_ids, seq.cumulative_logprob, list(zip(ids[:k], values[:k]))):
+                if self._next_beams(seq.request):
+                    finished.append(seq.request)
+        return finished
+
+    def _next_beams(self, request: Request) -> bool:
+        """Branch the chosen beams off their parents and drop the old ones; True when the
+        search is over and the request has its final outputs."""
+        search = request.beam_search
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.time()
+        proposals = search.advance(self.max_model_len)
+        children = []
+        for index, proposal in enumerate(proposals):
+            child = self._new_sequence(request, index, proposal.parent)
+            self.scheduler.fork(proposal.parent, [child])
+            child.append_token(proposal.token_id)
+            child.cumulative_logprob = proposal.cum_logprob
+            children.append(child)
+        for old in search.live:
+            # Usually parked in the running queue, but preemption may have moved it since it reported.
+            self.scheduler.remove(old)
+            old.status = SequenceStatus.FINISHED
+        self.counters.generation_tokens += len(children)
+        request.branched = True
+        request.seqs = search.live = children
+        if children:
+            return False
+        request.final_outputs = [
+            CompletionOutput(
+                index=index,
+                text=self.tokenizer.decode(h.output_token_ids, skip_special_tokens=True) if self.tokenizer else "",
+                token_ids=h.output_token_ids,
+                cumulative_logprob=h.cum_logprob,
+                logprobs=None,
+                finish_reason="stop" if h.ends_with_eos else "length",
+            )
+            for index, h in enumerate(search.best())
+        ]
+        return True
 
     def _append(self, seq: Sequence, token: int, logprob: float, top_logprobs, now: float) -> None:
         request = seq.request

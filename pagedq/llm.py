@@ -13,9 +13,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedq.beam_search import BeamSearchParams
 from pagedq.config import EngineArgs
 from pagedq.engine import LLMEngine, PromptType
-from pagedq.outputs import RequestOutput
+from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
 
@@ -70,7 +71,27 @@ class LLM:
         request_ids = self._add_requests(prompt_list, params_list)
         return self._run(request_ids, use_tqdm)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The beam_width best continuations of each prompt, best first."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        outputs = self._run(self._add_requests(prompt_list, [params] * len(prompt_list)), use_tqdm)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in outputs:
+            sequences = []
+            for completion in output.outputs:
+                tokens = output.prompt_token_ids + completion.token_ids
+                text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+                sequences.append(BeamSearchSequence(tokens, text, completion.cumulative_logprob, completion.finish_reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams | BeamSearchParams]) -> list[str]:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:

@@ -51,3 +51,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One of beam search's best hypotheses (vLLM's shape): `tokens` and `text` cover the
+    prompt and the generated continuation."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]

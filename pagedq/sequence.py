@@ -1,9 +1,9 @@
 """A request's state inside the engine, from arrival to finish.
 
-A `Request` is what a client asked for: one prompt, one SamplingParams. It owns one
-`Sequence` per output (``n`` of them for parallel sampling). The prompt is prefilled once
-by the first sequence; when it completes, the others are forked from it and share its
-KV blocks copy-on-write.
+A `Request` is what a client asked for: one prompt, one SamplingParams (or beam search).
+It owns one `Sequence` per output (``n`` of them for parallel sampling, one per live
+beam for beam search). The prompt is prefilled once by the first sequence; when it
+completes, the others branch off it and share its KV blocks copy-on-write.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedq.beam_search import BeamSearch
 from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
+_sequence_counter = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -39,23 +41,32 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # Cached prompt tokens found in the prefix cache when the first sequence was admitted.
     num_cached_tokens: int = 0
+    # Beam search's state; `params` then holds the settings every beam shares.
+    beam_search: BeamSearch[Sequence] | None = None
+    # Whether the other outputs (or beams) have branched off the first sequence; until
+    # then it holds scheduler slots for all of them.
+    branched: bool = False
     aborted: bool = False
+    # Set when the outputs are not the sequences' own (beam search's best hypotheses).
+    final_outputs: list[CompletionOutput] | None = None
 
     @property
-    def forked(self) -> bool:
-        """Whether all `n` sequences exist (always true for n == 1)."""
-        return len(self.seqs) == self.params.n
+    def width(self) -> int:
+        """How many sequences the request runs at once after branching."""
+        return self.beam_search.params.beam_width if self.beam_search is not None else self.params.n
 
     @property
     def is_finished(self) -> bool:
-        return self.aborted or (self.forked and all(s.is_finished for s in self.seqs))
+        if self.aborted or self.final_outputs is not None:
+            return True
+        return self.beam_search is None and (self.branched or self.width == 1) and all(s.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[seq.completion() for seq in self.seqs],
+            outputs=self.final_outputs if self.final_outputs is not None else [seq.completion() for seq in self.seqs],
             finished=self.is_finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
@@ -82,11 +93,13 @@ class Sequence:
     # Set by the engine: per-sequence RNG (when seeded) and incremental detokenizer.
     generator: Any = None
     detokenizer: Any = None
+    # Distinguishes this sequence from every other, e.g. a beam from the beam it replaced.
+    uid: int = field(default_factory=lambda: next(_sequence_counter))
 
     @property
     def seq_id(self) -> str:
         """Unique inside the engine: the block manager's key for this sequence's blocks."""
-        return f"{self.request.request_id}#{self.index}"
+        return f"{self.request.request_id}#{self.uid}"
 
     @property
     def params(self) -> SamplingParams:

@@ -111,8 +111,14 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children start running with the parent's blocks and computed tokens."""
+        """Children start running with the parent's blocks and computed tokens. A parent
+        that was preempted since (a beam waiting for its group) has no device blocks to
+        share: its children wait to be recomputed."""
         for child in children:
+            if parent.status is not SequenceStatus.RUNNING:
+                child.num_computed_tokens = 0
+                self.add(child)
+                continue
             self.block_manager.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
@@ -144,6 +150,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_uncomputed_tokens == 0:
+                i += 1  # a beam waiting for the rest of its group
+                continue
             start = seq.num_computed_tokens
             target = start + min(seq.num_uncomputed_tokens, budget)
             while not bm.can_grow(seq.seq_id, start, target):
@@ -167,8 +176,8 @@ class Scheduler:
         return out
 
     def _slots(self, seq: Sequence) -> int:
-        """Running slots a sequence holds: a parent that will fork into n reserves n."""
-        return 1 if seq.request.forked else seq.params.n
+        """Running slots a sequence holds: a first sequence that will branch into n reserves n."""
+        return 1 if seq.request.branched else seq.request.width
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -188,8 +197,9 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             slots += self._slots(seq)
-            out.scheduled.append(ScheduledSequence(seq, target - start))
-            budget -= target - start
+            if target > start:  # else a parked beam: running again, nothing to compute
+                out.scheduled.append(ScheduledSequence(seq, target - start))
+                budget -= target - start
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
