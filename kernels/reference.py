@@ -1,9 +1,28 @@
-"""Plain PyTorch paged attention and KV-store: the oracle for the Triton kernels and the
-attention the engine runs on CPU. Same signatures as the Triton versions."""
+"""Plain PyTorch paged attention and KV-store: the oracle every other implementation
+(kernels.torch_attention, the Triton kernels) is tested against. Same signatures.
+
+An FP8 cache (float8_e4m3fn) holds value / scale, saturated to e4m3's range; readers
+multiply by the scale again. `k_scale` and `v_scale` are 1.0 for any other cache dtype.
+"""
 
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if cache_dtype == FP8_DTYPE:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x.to(cache_dtype)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == FP8_DTYPE:
+        return (x.float() * scale).to(dtype)
+    return x.to(dtype)
 
 
 def store_kv_reference(
@@ -12,13 +31,15 @@ def store_kv_reference(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = to_cache(key[keep], key_cache.dtype, k_scale)
+    value_cache[blocks, offsets] = to_cache(value[keep], value_cache.dtype, v_scale)
 
 
 def paged_attention_reference(
@@ -32,6 +53,9 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each packed query block over its sequence's paged context.
 
@@ -45,21 +69,23 @@ def paged_attention_reference(
     lens = seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
     decode_seqs = [s for s, n in enumerate(q_lens) if n == 1]
+    kv = (key_cache, k_scale, value_cache, v_scale)
     if decode_seqs:
-        _decode(query, key_cache, value_cache, block_tables, starts, lens, decode_seqs, scale, out)
+        _decode(query, kv, block_tables, starts, lens, decode_seqs, scale, out)
     for s, n in enumerate(q_lens):
         if n > 1:
-            _prefill(query, key_cache, value_cache, block_tables[s], starts[s], n, lens[s], scale, out)
+            _prefill(query, kv, block_tables[s], starts[s], n, lens[s], scale, out)
     return out
 
 
-def _gathered_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gathered_context(cache: torch.Tensor, cache_scale: float, block_ids: torch.Tensor) -> torch.Tensor:
     """[..., blocks] block ids -> [..., blocks * block_size, kv_heads, head_dim] in float32."""
     gathered = cache[block_ids.long()]
-    return gathered.flatten(-4, -3).float()
+    return from_cache(gathered.flatten(-4, -3), torch.float32, cache_scale)
 
 
-def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, scale, out):
+def _decode(query, kv, block_tables, starts, lens, seqs, scale, out):
+    key_cache, k_scale, value_cache, v_scale = kv
     block_size = key_cache.shape[1]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     dev = query.device
@@ -67,8 +93,8 @@ def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, sca
     ctx = torch.tensor([lens[s] for s in seqs], device=dev)
     num_blocks = -(-max(lens[s] for s in seqs) // block_size)
     tables = block_tables[torch.tensor(seqs, device=dev)][:, :num_blocks]
-    k = _gathered_context(key_cache, tables)  # [S, C, KVH, D]
-    v = _gathered_context(value_cache, tables)
+    k = _gathered_context(key_cache, k_scale, tables)  # [S, C, KVH, D]
+    v = _gathered_context(value_cache, v_scale, tables)
     q = query[rows].float().view(len(seqs), num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
     scores = torch.einsum("skgd,sckd->skgc", q, k) * scale
     beyond = torch.arange(k.shape[1], device=dev)[None, :] >= ctx[:, None]  # [S, C]
@@ -78,12 +104,13 @@ def _decode(query, key_cache, value_cache, block_tables, starts, lens, seqs, sca
     out[rows] = o.reshape(len(seqs), -1, head_dim).to(out.dtype)
 
 
-def _prefill(query, key_cache, value_cache, block_table, start, q_len, seq_len, scale, out):
+def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out):
+    key_cache, k_scale, value_cache, v_scale = kv
     block_size = key_cache.shape[1]
     num_kv_heads = key_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    k = _gathered_context(key_cache, block_table[:num_blocks])[:seq_len]  # [C, KVH, D]
-    v = _gathered_context(value_cache, block_table[:num_blocks])[:seq_len]
+    k = _gathered_context(key_cache, k_scale, block_table[:num_blocks])[:seq_len]  # [C, KVH, D]
+    v = _gathered_context(value_cache, v_scale, block_table[:num_blocks])[:seq_len]
     q = query[start : start + q_len].float()  # [Q, H, D]
     group = q.shape[1] // num_kv_heads
     k = k.repeat_interleave(group, dim=1)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import from_cache
+
 # A decode group is closed when padding it to its longest context would gather more than
 # this factor over what its sequences hold.
 _MAX_PADDING = 1.25
@@ -29,19 +31,23 @@ def paged_attention_torch(
     max_query_len: int,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    kv = (key_cache, k_scale, value_cache, v_scale)
     decodes = []
     for s, (begin, end) in enumerate(zip(starts[:-1], starts[1:])):
         if end - begin == 1:
             decodes.append(s)
         elif end > begin:
-            _prefill(query, key_cache, value_cache, block_tables[s], begin, end - begin, lens[s], scale, out)
+            _prefill(query, kv, block_tables[s], begin, end - begin, lens[s], scale, out)
     for group in _decode_groups(decodes, lens):
-        _decode(query, key_cache, value_cache, block_tables, [starts[s] for s in group], [lens[s] for s in group], group, scale, out)
+        _decode(query, kv, block_tables, [starts[s] for s in group], [lens[s] for s in group], group, scale, out)
     return out
 
 
@@ -59,37 +65,39 @@ def _decode_groups(seqs: list[int], lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim]."""
+def _gather(cache: torch.Tensor, cache_scale: float, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, head_dim] in `dtype`."""
     num_seqs, num_blocks = block_ids.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    rows = cache.index_select(0, block_ids.reshape(-1).long())
+    rows = from_cache(cache.index_select(0, block_ids.reshape(-1).long()), dtype, cache_scale)
     return rows.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode(query, key_cache, value_cache, block_tables, rows, ctx, seqs, scale, out):
+def _decode(query, kv, block_tables, rows, ctx, seqs, scale, out):
+    key_cache, k_scale, value_cache, v_scale = kv
     dev, block_size = query.device, key_cache.shape[1]
     longest = max(ctx)
     if longest == 0:  # padded lanes only
         out[rows] = 0
         return
     tables = block_tables[torch.tensor(seqs, device=dev), : -(-longest // block_size)]
-    k, v = _gather(key_cache, tables), _gather(value_cache, tables)
+    k, v = _gather(key_cache, k_scale, tables, query.dtype), _gather(value_cache, v_scale, tables, query.dtype)
     lengths = torch.tensor(ctx, device=dev)
     mask = torch.arange(k.shape[2], device=dev)[None, :] < lengths[:, None]  # [S, C]
     row_index = torch.tensor(rows, device=dev)
-    q = query[row_index].unsqueeze(2).to(k.dtype)  # [S, H, 1, D]
+    q = query[row_index].unsqueeze(2)  # [S, H, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
     o = o.squeeze(2).nan_to_num_(0.0)  # a lane with no context: zeros, as in the reference
     out[row_index] = o.to(out.dtype)
 
 
-def _prefill(query, key_cache, value_cache, block_table, start, q_len, seq_len, scale, out):
+def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out):
+    key_cache, k_scale, value_cache, v_scale = kv
     dev, block_size = query.device, key_cache.shape[1]
     table = block_table[None, : -(-seq_len // block_size)]
-    k = _gather(key_cache, table)[:, :, :seq_len]
-    v = _gather(value_cache, table)[:, :, :seq_len]
-    q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
+    k = _gather(key_cache, k_scale, table, query.dtype)[:, :, :seq_len]
+    v = _gather(value_cache, v_scale, table, query.dtype)[:, :, :seq_len]
+    q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     if q_len == seq_len:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:

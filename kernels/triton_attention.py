@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import FP8_DTYPE
 from kernels.triton_store import check_kv_cache, check_launchable
 
 # Context slices shorter than this are not worth a second kernel's merge.
@@ -51,6 +52,8 @@ def _paged_attention_kernel(
     partial_out,
     partial_lse,
     qk_scale,
+    k_scale,
+    v_scale,
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -78,6 +81,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -136,6 +140,10 @@ def _paged_attention_kernel(
             mask=dim_valid[:, None] & pos_valid[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(tl.float32) * k_scale
+            if not FP32_DOT:
+                k = k.to(q.dtype)
         if FP32_DOT:
             k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision="ieee") * qk_scale
@@ -161,6 +169,10 @@ def _paged_attention_kernel(
             mask=pos_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(tl.float32) * v_scale
+            if not FP32_DOT:
+                v = v.to(q.dtype)
         if FP32_DOT:
             v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -279,6 +291,8 @@ def paged_attention_triton(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     num_splits: int | None = None,  # context slices per program; None chooses from the grid size
 ) -> torch.Tensor:
     _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out)
@@ -312,8 +326,14 @@ def paged_attention_triton(
         partial_out = torch.empty((query.shape[0], num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
         partial_lse = torch.empty((query.shape[0], num_heads, num_splits), dtype=torch.float32, device=query.device)
     # bf16/fp16 tiles feed tensor cores directly on the GPU; the interpreter computes
-    # 16-bit arithmetic wrongly, and mixed query/cache dtypes cannot share one dot.
-    fp32_dot = query.device.type != "cuda" or query.dtype != key_cache.dtype or query.dtype == torch.float32
+    # 16-bit arithmetic wrongly, and mixed query/cache dtypes cannot share one dot. An FP8
+    # cache is dequantised to the query's dtype in the kernel.
+    kv_fp8 = key_cache.dtype == FP8_DTYPE
+    fp32_dot = (
+        query.device.type != "cuda"
+        or query.dtype == torch.float32
+        or (query.dtype != key_cache.dtype and not kv_fp8)
+    )
 
     _paged_attention_kernel[(num_seqs, q_tiles, num_kv_heads * num_splits)](
         query,
@@ -326,6 +346,8 @@ def paged_attention_triton(
         partial_out,
         partial_lse,
         scale * math.log2(math.e),
+        k_scale,
+        v_scale,
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
@@ -342,6 +364,7 @@ def paged_attention_triton(
         TILE_N=64 if dim_pad <= 64 else 32,
         NUM_SPLITS=num_splits,
         FP32_DOT=fp32_dot,
+        KV_FP8=kv_fp8,
         num_warps=4,
     )
     if num_splits > 1:

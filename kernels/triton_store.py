@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels.reference import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -21,6 +22,8 @@ def _store_kv_kernel(
     key_cache,
     value_cache,
     slot_mapping,
+    k_scale,
+    v_scale,
     stride_k_tok,
     stride_k_head,
     stride_k_dim,
@@ -40,6 +43,8 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
@@ -53,6 +58,10 @@ def _store_kv_kernel(
 
     k = tl.load(key + token * stride_k_tok + heads * stride_k_head + dims * stride_k_dim, mask=mask, other=0.0)
     v = tl.load(value + token * stride_v_tok + heads * stride_v_head + dims * stride_v_dim, mask=mask, other=0.0)
+    if FP8:
+        # Scaled into e4m3's range and saturated, as the reference does.
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
     k_dst = key_cache + block * stride_kc_block + row * stride_kc_row + heads * stride_kc_head + dims * stride_kc_dim
     v_dst = value_cache + block * stride_vc_block + row * stride_vc_row + heads * stride_vc_head + dims * stride_vc_dim
     tl.store(k_dst, k.to(key_cache.dtype.element_ty), mask=mask)
@@ -91,6 +100,8 @@ def store_kv_triton(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # int64 [num_tokens], -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     _, block_size, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
@@ -112,6 +123,8 @@ def store_kv_triton(
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         *key.stride(),
         *value.stride(),
         *key_cache.stride(),
@@ -121,4 +134,6 @@ def store_kv_triton(
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        FP8=key_cache.dtype == FP8_DTYPE,
+        FP8_MAX=FP8_MAX,
     )

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_attention_reference
+import dataclasses
+
+from kernels.reference import FP8_DTYPE, paged_attention_reference, to_cache
 from kernels.torch_attention import paged_attention_torch
 from pagedq.bench.kernels import AttentionShape, random_paged_batch
 
@@ -37,3 +39,17 @@ def test_lane_without_context_outputs_zeros():
     want = paged_attention_reference(*batch.attention_args())
     assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(want[1], torch.zeros_like(want[1]))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_fp8_cache_matches_reference():
+    batch = random_paged_batch(*CASES["prefill, chunk after cached prefix, decodes"], AttentionShape(4, 2, 64), unused_value=UNUSED)
+    quantized = dataclasses.replace(
+        batch, key_cache=to_cache(batch.key_cache, FP8_DTYPE, 0.5), value_cache=to_cache(batch.value_cache, FP8_DTYPE, 2.0)
+    )
+    scales = dict(k_scale=0.5, v_scale=2.0)
+    got = paged_attention_torch(*quantized.attention_args(), **scales)
+    torch.testing.assert_close(got, paged_attention_reference(*quantized.attention_args(), **scales), atol=2e-5, rtol=1e-5)
+    # Quantization changed the result, but only by e4m3's rounding.
+    exact = paged_attention_reference(*batch.attention_args())
+    assert not torch.equal(got, exact)
+    torch.testing.assert_close(got, exact, atol=0.15, rtol=0.1)

@@ -13,6 +13,7 @@ every other module's subprocesses. Hence:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from kernels import AttentionBackend, get_attention_backend
-from kernels.reference import paged_attention_reference, store_kv_reference
+from kernels.reference import FP8_DTYPE, from_cache, paged_attention_reference, store_kv_reference, to_cache
 from pagedq.bench.kernels import AttentionShape, PagedBatch, random_paged_batch
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,7 +129,7 @@ def test_head_dim_padded_to_power_of_two(triton_backend: AttentionBackend) -> No
 
 @needs_kernels
 def test_padded_lane_without_context_outputs_zeros(triton_backend: AttentionBackend) -> None:
-    # CUDA-graph padding: a decode lane with seq_len 0 must not write NaN (the reference does).
+    # CUDA-graph padding: a decode lane with seq_len 0 outputs zeros, as the reference does.
     batch = make_batch([1, 1], [5, 1], seed=4)
     batch.seq_lens[1] = 0
     for splits in (1, 4):
@@ -163,3 +164,29 @@ def test_rejects_mismatched_head_dim(triton_backend: AttentionBackend) -> None:
     batch = make_batch([1], [4])
     with pytest.raises(ValueError, match="query"):
         triton_backend.paged_attention(batch.query[..., :32], *batch.attention_args()[1:])
+
+
+@needs_kernels
+def test_fp8_cache_store_and_attention(triton_backend: AttentionBackend) -> None:
+    batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, seed=6)
+    k_scale, v_scale = 0.5, 2.0
+    fp8 = dict(key_cache=to_cache(batch.key_cache, FP8_DTYPE, k_scale), value_cache=to_cache(batch.value_cache, FP8_DTYPE, v_scale))
+    quantized = dataclasses.replace(batch, **fp8)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    got = triton_backend.paged_attention(*quantized.attention_args(), out=torch.full_like(batch.query, float("nan")), **scales)
+    torch.testing.assert_close(got, paged_attention_reference(*quantized.attention_args(), **scales), atol=2e-5, rtol=1e-5)
+
+    slots = torch.tensor([3, -1, 40, 17], device=DEVICE)
+    # Values on e4m3's grid once scaled (the interpreter's float -> e4m3 rounding drops the
+    # carry at binade edges, e.g. 124 -> 64; a GPU converts in hardware), and some beyond its range.
+    key, value = (
+        from_cache(to_cache(torch.randn(4, 2, 64, device=DEVICE) * 100, FP8_DTYPE, 1.0), torch.float32, 1.0) * s
+        for s in (k_scale, v_scale)
+    )
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 300.0, -225.0]) * k_scale
+    got_k, got_v, want_k, want_v = (torch.zeros(4, 16, 2, 64, dtype=FP8_DTYPE, device=DEVICE) for _ in range(4))
+    triton_backend.store_kv(key, value, got_k, got_v, slots, k_scale, v_scale)
+    store_kv_reference(key, value, want_k, want_v, slots, k_scale, v_scale)
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    assert got_k[0, 3, 0, :4].float().tolist() == [448.0, -448.0, 288.0, -224.0]  # saturated and rounded

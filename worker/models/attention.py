@@ -22,6 +22,9 @@ class PagedAttention(nn.Module):
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
         # owned by the model runner and bound before the first forward.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An FP8 cache stores keys / k_scale and values / v_scale.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -33,9 +36,9 @@ class PagedAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("bind_kv_caches() must be called before the first forward")
         key_cache, value_cache = self.kv_cache
-        self.backend.store_kv(k, v, key_cache, value_cache, md.slot_mapping)
+        self.backend.store_kv(k, v, key_cache, value_cache, md.slot_mapping, self.k_scale, self.v_scale)
         out = self.backend.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.query_start_loc, md.seq_lens,
-            self.scale, md.max_query_len, md.max_seq_len,
+            self.scale, md.max_query_len, md.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
