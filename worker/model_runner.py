@@ -88,6 +88,8 @@ class ModelRunner:
         self.attention = get_attention_backend(args.attention_backend, self.device.type)
         self.model = load_model(args.model, self.dtype, self.device, self.attention)
         self.vocab_size = self.model.vocab_size
+        # Eager until captured: sizing the cache on CUDA runs a forward first.
+        self.graphs: DecodeGraphs | None = None
         self.cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_cache = KVCache.for_model(self.model, self.block_size, self.cache_dtype, self._decide_num_blocks(), self.device)
         self.kv_cache.bind(self.model)
