@@ -21,7 +21,7 @@ from blockmgr import BlockManager
 from pagedq.beam_search import BeamSearch, BeamSearchParams
 from pagedq.config import EngineArgs
 from pagedq.model_info import load_hf_config, load_tokenizer, resolve_max_model_len
-from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedq.sampling_params import SamplingParams
 from pagedq.sequence import Request, Sequence, SequenceStatus
 from scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -103,6 +103,7 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         """Queue a request: sampled (SamplingParams) or beam search (BeamSearchParams).
         Raises ValueError (naming the field) for input that can never run; the engine's
@@ -129,6 +130,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time()),
             priority=priority,
+            output_kind=output_kind,
         )
         if beam is not None:
             request.beam_search = BeamSearch(beam, len(token_ids), self.eos_token_ids)
@@ -217,6 +219,8 @@ class LLMEngine:
     # --- the loop -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of requests that produced tokens or
+        finished (FINAL_ONLY requests: only when they finish)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if not self.scheduler.has_unfinished():
             return outputs
@@ -256,11 +260,13 @@ class LLMEngine:
                 self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], now)
                 touched[seq.request.request_id] = seq.request
         for request in touched.values():
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 request.metrics.finished_time = time.time()
                 del self.requests[request.request_id]
                 self.counters.requests_finished += 1
-            outputs.append(request.output())
+            if finished or request.output_kind is RequestOutputKind.CUMULATIVE:
+                outputs.append(request.output())
         return outputs
 
     def _advance(self, item: ScheduledSequence) -> None:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from pagedq.beam_search import BeamSearchParams
 from pagedq.config import EngineArgs
 from pagedq.engine import LLMEngine, PromptType
-from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, RequestOutputKind
 from pagedq.sampling_params import SamplingParams
 
 
@@ -97,7 +97,7 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params):
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, sp)
+                engine.add_request(request_id, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_ids.append(request_id)
         except ValueError:
             # All or nothing: none of this call's requests stays queued.

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestOutputKind(enum.Enum):
+    """Which steps report a request (vLLM's names): every step, with everything so far
+    (the service streams from these), or only the last (offline `LLM.generate`)."""
+
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.beam_search import BeamSearch
-from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedq.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -36,6 +36,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     priority: int = 0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Breaks priority ties first come first served; survives preemption.
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
     seqs: list[Sequence] = field(default_factory=list)

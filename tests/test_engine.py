@@ -353,3 +353,17 @@ def test_skip_tokenizer_init_takes_token_ids_only(llama_dir):
         llm.generate(["text"], SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match="stop"):
         llm.generate([{"prompt_token_ids": [5]}], SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+def test_output_kinds(llama):
+    from pagedq.outputs import RequestOutputKind
+
+    engine = llama.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("every-step", {"prompt_token_ids": [4, 5, 6]}, params)
+    engine.add_request("final", {"prompt_token_ids": [4, 5, 6]}, params, output_kind=RequestOutputKind.FINAL_ONLY)
+    seen: dict[str, list[int]] = {"every-step": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(len(output.outputs[0].token_ids))
+    assert seen == {"every-step": [1, 2, 3, 4, 5], "final": [5]}
