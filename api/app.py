@@ -30,7 +30,9 @@ from pagedq.settings import Settings
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
 # The caller's API key ("" with auth off); module-level so FastAPI can resolve the annotation.
 Auth = Annotated[str, Depends(authenticate)]
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
+# Longer than any blocking read the api makes (StreamReader.poll_s).
+_REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
 
 
 def _check_seq_id(seq_id: str) -> str:
@@ -45,11 +47,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.redis = Redis.from_url(redis_url)
-        app.state.aredis = AsyncRedis.from_url(redis_url)
+        # Bounded timeouts: a Redis that hangs must turn into a 503, not a hung request.
+        app.state.redis = Redis.from_url(redis_url, **_REDIS_TIMEOUTS)
+        app.state.aredis = AsyncRedis.from_url(redis_url, **_REDIS_TIMEOUTS)
         app.state.store = JobStore(app.state.redis, settings)
         app.state.streams = StreamReader(app.state.aredis)
         yield
+        await app.state.streams.hub.close()
         await app.state.aredis.aclose()
         app.state.redis.close()
 
@@ -132,11 +136,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/ready", responses={503: {"model": ErrorResponse}})
     def ready(request: Request) -> JSONResponse:
-        connection: Redis = request.app.state.redis
-        try:
-            workers = _live_workers(connection, request.app.state.store.queue)
-        except Exception as exc:  # any Redis failure means "not ready", with the reason
-            return error_response(503, f"Redis unreachable: {exc}")
+        # Redis unreachable: 503 from the error handler.
+        workers = _live_workers(request.app.state.redis, request.app.state.store.queue)
         if not workers:
             return error_response(503, f"no live worker on queue {settings.queue_name!r}")
         return JSONResponse({"status": "ready", "queue_depth": request.app.state.store.queue.count, "workers": workers})

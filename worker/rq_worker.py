@@ -5,16 +5,25 @@ and death, executions, the started registry, success and failure handling with R
 so `rq info`, `Job.fetch(id).get_status()` and `return_value()` tell the truth, and
 replaces the work loop. One tick:
 
-1. reap: requeue the jobs of workers whose heartbeats stopped (a short TTL, checked often);
-2. admit: move up to the free capacity of job ids off the queue in one script call and
+1. heartbeat, when due: the worker and every execution, in one pipeline;
+2. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
+   checked often), and read the suspension flag;
+3. drop lost jobs: one script call checks every in-flight job; canceled ones, and ones
+   no longer ours (reaped after a stall, deleted), are aborted in the engine, which frees
+   their KV blocks at once; a job stopped with RQ's stop-job command fails as STOPPED;
+4. admit: move up to the free capacity of job ids off the queue in one script call and
    mark them started in one transaction (only while the engine has no backlog, so queued
    jobs stay in Redis for other workers);
-3. check: read every in-flight job's status in one round trip; canceled ones are aborted
-   in the engine (their KV blocks freed at once), and ones no longer ours (reaped after a
-   stall) are dropped so a job never finishes twice;
-4. step the engine once and publish deltas/progress for all jobs in one pipeline;
-   finished jobs go through RQ's success path;
-5. heartbeat all executions in one pipeline.
+5. step the engine once, publish every job's delta in one round trip, and finish
+   completed jobs through RQ's success path.
+
+Each execution is its own engine request (its id is the request id), so a job that comes
+back to this worker after being requeued can never be confused with its earlier run.
+
+Redis going away: every Redis error is retried a second later, forever; the engine pauses
+(the tick fails before stepping) and what was not yet published or finished is kept and
+sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
+this worker's jobs reaped; after a long one they are requeued and run again, once.
 
 SIGTERM stops admission and lets in-flight jobs finish for `drain_timeout_s`; what is
 left is requeued at the front. A second signal requeues at once.
@@ -31,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 from redis import Redis
+from rq import worker_registration
+from rq.command import parse_payload
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -57,16 +68,42 @@ for _ = 1, tonumber(ARGV[1]) do
 end
 return taken
 """
-# How long an idle worker blocks waiting for a job before its next heartbeat/reap.
-_IDLE_BLOCK_S = 1.0
+# The positions (1-based) of the jobs no longer this worker's to run: not started, run
+# by another worker, or this execution gone from the started registry (reaped).
+# KEYS: the started registry, then the job hashes. ARGV: the started status, this
+# worker's name, then each job's execution composite key.
+_LOST_JOBS = """
+local lost = {}
+for i = 2, #KEYS do
+    local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
+    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[1], ARGV[i + 1]) then
+        lost[#lost + 1] = i - 1
+    end
+end
+return lost
+"""
+# How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
+_IDLE_WAIT_S = 1.0
+# Pause after a Redis error before the next try.
+_REDIS_RETRY_S = 1.0
+
+
+class JobStopped(Exception):
+    """The job was stopped with RQ's stop-job command."""
 
 
 @dataclass
 class InFlight:
     job: Job
     execution: Execution
-    payload: JobPayload | None = None
-    started_at: float = 0.0
+    payload: JobPayload
+    started_at: float
+    # The engine's final output, kept until RQ has recorded the result.
+    final: RequestOutput | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.execution.id
 
 
 class BatchWorker(BaseWorker):
@@ -83,10 +120,14 @@ class BatchWorker(BaseWorker):
         self.engine = engine
         self.settings = settings
         self.queue = self.queues[0]
+        # By engine request id (= execution id).
         self.inflight: dict[str, InFlight] = {}
-        self.publisher = ProgressPublisher(settings.stream_ttl_s, settings.progress_interval_s)
+        self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
         self._take_many = connection.register_script(_TAKE_MANY)
+        self._lost_jobs = connection.register_script(_LOST_JOBS)
+        # Job ids named by stop-job commands; filled by RQ's pubsub thread.
+        self._stop_requests: set[str] = set()
         self._draining = False
         self._drain_deadline = math.inf
         self._suspended = False
@@ -109,6 +150,19 @@ class BatchWorker(BaseWorker):
         self.log.warning("Worker %s: second signal, requeueing in-flight jobs now", self.name)
         self._drain_deadline = 0.0
 
+    def handle_payload(self, message) -> None:
+        # RQ routes stop-job only to a worker's single "current" job; we hold many.
+        payload = parse_payload(message)
+        if payload.get("command") == "stop-job":
+            self._stop_requests.add(payload.get("job_id", ""))
+        else:
+            super().handle_payload(message)
+
+    def request_stop_execution(self, execution_id: str) -> None:
+        entry = self.inflight.get(execution_id)
+        if entry is not None:
+            self._stop_requests.add(entry.job.id)
+
     # ---- the loop -------------------------------------------------------------------
 
     def work(self, logging_level: str = "INFO") -> None:  # type: ignore[override]
@@ -119,28 +173,26 @@ class BatchWorker(BaseWorker):
                 try:
                     self._tick()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                    # Redis restarting: in-flight work goes on once it is back; anything
-                    # half-written is reconciled by the state check and the reaper.
                     self.log.error("Worker %s: Redis unavailable (%s), retrying", self.name, exc)
-                    time.sleep(1.0)
-            self._check_job_states()
+                    self._next_heartbeat = 0.0
+                    time.sleep(_REDIS_RETRY_S)
+            self._drop_lost_jobs()
             self._requeue_inflight()
         finally:
             self.teardown()
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_reap:
-            self._reap()
-            self._next_reap = now + self.settings.reaper_interval_s
-        if not self._draining:
-            self._admit()
-        if self.inflight:
-            self._check_job_states()
-        if self.engine.has_unfinished_requests():
-            self._step()
         if time.monotonic() >= self._next_heartbeat:
             self._heartbeat()
+        if time.monotonic() >= self._next_reap:
+            self._reap()
+        if self.inflight:
+            self._drop_lost_jobs()
+        if not self._draining:
+            self._admit()
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self._publish_and_finish()
 
     def _reap(self) -> None:
         """Requeue (or fail, when out of retries) the jobs of workers that stopped beating."""
@@ -148,23 +200,26 @@ class BatchWorker(BaseWorker):
         self._suspended = is_suspended(self.connection)
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
+        self._next_reap = time.monotonic() + self.settings.reaper_interval_s
 
     # ---- admission ------------------------------------------------------------------
 
     def _admit(self) -> None:
+        busy = self.engine.has_unfinished_requests()
         free = self.capacity - len(self.inflight)
-        if free <= 0 or self._suspended or self.engine.stats().get("num_waiting", 0) > 0:
+        if free <= 0 or self._suspended or self.engine.stats()["num_waiting"] > 0:
+            if not busy:
+                time.sleep(_IDLE_WAIT_S)  # suspended (or full of finished jobs Redis has not taken yet)
             return
         ids = [as_text(i) for i in self._take_many(keys=[self.queue.key, self.queue.intermediate_queue_key], args=[free])]
-        if not ids and not self.engine.has_unfinished_requests():
-            first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_BLOCK_S)
+        if not ids and not busy:
+            first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
             ids = [as_text(first)] if first is not None else []
         if ids:
             self._start_jobs(ids)
 
     def _start_jobs(self, ids: list[str]) -> None:
         """Mark the taken jobs started in one transaction, then hand them to the engine."""
-        started: list[InFlight] = []
         with self.connection.pipeline() as pipeline:
             while True:
                 try:
@@ -172,74 +227,81 @@ class BatchWorker(BaseWorker):
                     pipeline.watch(*(Job.key_for(i) for i in ids))
                     jobs = Job.fetch_many(ids, self.connection, serializer=self.serializer)
                     pipeline.multi()
-                    started = []
+                    started: list[tuple[Job, Execution]] = []
                     for job_id, job in zip(ids, jobs):
                         pipeline.lrem(self.queue.intermediate_queue_key, 1, job_id)
                         if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
                             continue  # deleted or canceled while in transit
                         execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
                         job.prepare_for_execution(self.name, pipeline)
-                        started.append(InFlight(job=job, execution=execution))
+                        started.append((job, execution))
                     self.set_state(WorkerStatus.BUSY, pipeline)
                     pipeline.execute()
                     break
                 except redis.exceptions.WatchError:
                     continue
-        for entry in started:
-            self.executions[entry.execution.id] = entry.execution
-            self._hand_to_engine(entry)
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for job, execution in started:
+                self.executions[execution.id] = execution
+                self._hand_to_engine(job, execution, pipeline)
+            pipeline.execute()
 
-    def _hand_to_engine(self, entry: InFlight) -> None:
-        job = entry.job
+    def _hand_to_engine(self, job: Job, execution: Execution, pipeline) -> None:
         try:
             if job.func_name != JOB_FUNCTION:
                 raise ValueError(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
-            entry.payload = JobPayload.model_validate(job.kwargs)
+            payload = JobPayload.model_validate(job.kwargs)
             self.engine.add_request(
-                job.id,
-                {"prompt_token_ids": entry.payload.prompt_token_ids},
-                entry.payload.sampling,
-                arrival_time=entry.payload.enqueued_at,
-                priority=entry.payload.priority,
+                execution.id,
+                {"prompt_token_ids": payload.prompt_token_ids},
+                payload.sampling,
+                arrival_time=payload.enqueued_at,
+                priority=payload.priority,
             )
         except Exception:
             job.retries_left = 0  # bad input fails the same way on every attempt
-            self._finalize_failure(job, self.queue, entry.execution, sys.exc_info())
+            self._finalize_failure(job, self.queue, execution, sys.exc_info())
             return
-        entry.started_at = time.time()
-        self.inflight[job.id] = entry
-        with self.connection.pipeline(transaction=False) as pipeline:
-            self.publisher.start(pipeline, job, prompt_tokens=len(entry.payload.prompt_token_ids))
-            pipeline.execute()
+        self.inflight[execution.id] = InFlight(job, execution, payload, started_at=time.time())
+        self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids))
 
     # ---- in-flight checks -----------------------------------------------------------
 
-    def _check_job_states(self) -> None:
-        ids = list(self.inflight)
-        if not ids:
+    def _drop_lost_jobs(self) -> None:
+        """Abort the jobs that are no longer ours to finish, and stop those asked to stop."""
+        entries = list(self.inflight.values())
+        if not entries:
             return
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for job_id in ids:
-                pipeline.hmget(Job.key_for(job_id), "status", "worker_name")
-            states = pipeline.execute()
-        gone = [
-            job_id
-            for job_id, (status, worker_name) in zip(ids, states)
-            if as_text(status) != JobStatus.STARTED or as_text(worker_name) != self.name
-        ]
-        if not gone:
-            return
-        # Canceled, deleted, or reaped and requeued after a stall: the job is no longer
-        # ours to finish. Aborting frees its KV blocks now.
-        self.engine.abort_request(gone)
-        with self.connection.pipeline() as pipeline:
-            for job_id in gone:
-                entry = self.inflight.pop(job_id)
-                self.publisher.forget(job_id)
-                self.cleanup_execution(entry.job, pipeline, entry.execution)
-            pipeline.execute()
-        self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(gone))
-        self._next_heartbeat = 0.0  # publish the freed blocks promptly
+        lost_positions = self._lost_jobs(
+            keys=[self.queue.started_job_registry.key, *(entry.job.key for entry in entries)],
+            args=[JobStatus.STARTED.value, self.name, *(entry.execution.composite_key for entry in entries)],
+        )
+        lost = [entries[position - 1] for position in lost_positions]
+        if lost:
+            # Canceled, deleted, or reaped and requeued after a stall. Aborting frees their KV blocks now.
+            self._forget(lost)
+            with self.connection.pipeline() as pipeline:
+                for entry in lost:
+                    self.cleanup_execution(entry.job, pipeline, entry.execution)
+                pipeline.execute()
+            self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))
+            self._next_heartbeat = 0.0  # publish the freed blocks promptly
+        if self._stop_requests:
+            self._stop_jobs()
+
+    def _stop_jobs(self) -> None:
+        requested, self._stop_requests = self._stop_requests, set()
+        for entry in [entry for entry in self.inflight.values() if entry.job.id in requested]:
+            self._forget([entry])
+            self._stopped_job_id = entry.job.id  # RQ then marks it STOPPED, never retried
+            self._finalize_failure(entry.job, self.queue, entry.execution, (JobStopped, JobStopped("stopped by request"), None))
+        self._next_heartbeat = 0.0
+
+    def _forget(self, entries: list[InFlight]) -> None:
+        self.engine.abort_request([entry.request_id for entry in entries])
+        for entry in entries:
+            del self.inflight[entry.request_id]
+            self.publisher.forget(entry.job.id)
 
     # ---- engine step ----------------------------------------------------------------
 
@@ -249,26 +311,27 @@ class BatchWorker(BaseWorker):
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
-        finished: list[tuple[InFlight, RequestOutput]] = []
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for output in outputs:
-                entry = self.inflight.get(output.request_id)
-                if entry is None:
-                    continue  # aborted this tick
-                self.publisher.update(pipeline, entry.job, output)
-                if output.finished:
-                    finished.append((entry, output))
-            pipeline.execute()
-        for entry, output in finished:
-            self._finish(entry, output)
+        for output in outputs:
+            entry = self.inflight.get(output.request_id)
+            if entry is None:
+                continue  # dropped before this step
+            self.publisher.update(entry.job.id, output)
+            if output.finished:
+                entry.final = output
 
-    def _finish(self, entry: InFlight, output: RequestOutput) -> None:
+    def _publish_and_finish(self) -> None:
+        """Send this step's deltas, then record finished jobs' results through RQ."""
+        self.publisher.flush()
+        for entry in [entry for entry in self.inflight.values() if entry.final is not None]:
+            self._finish(entry)
+
+    def _finish(self, entry: InFlight) -> None:
         job = entry.job
-        del self.inflight[job.id]
-        self.publisher.forget(job.id)
-        assert entry.payload is not None
-        result = GenerationResult.from_output(output, entry.payload.prompt, entry.payload.enqueued_at, entry.started_at)
+        payload = entry.payload
+        result = GenerationResult.from_output(entry.final, job.id, payload.prompt, payload.enqueued_at, entry.started_at)
         self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
+        del self.inflight[entry.request_id]
+        self.publisher.forget(job.id)
         # After RQ has recorded the result, so a client that sees "end" can read it.
         with self.connection.pipeline(transaction=False) as pipeline:
             publish_end(pipeline, job.id, "finished", self.settings.stream_ttl_s, finish_reason=result.finish_reason or "")
@@ -278,10 +341,9 @@ class BatchWorker(BaseWorker):
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
         (RQ requeues those with retries left)."""
         self.log.error("Worker %s: engine step failed", self.name, exc_info=exc_info)
-        self.engine.abort_request(list(self.inflight))
-        for job_id, entry in list(self.inflight.items()):
-            del self.inflight[job_id]
-            self.publisher.forget(job_id)
+        entries = list(self.inflight.values())
+        self._forget(entries)
+        for entry in entries:
             self._finalize_failure(entry.job, self.queue, entry.execution, exc_info)
 
     # ---- heartbeats and shutdown ----------------------------------------------------
@@ -296,20 +358,27 @@ class BatchWorker(BaseWorker):
             self.set_state(WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE, pipeline)
             # Lets /ready and tests see the engine's block accounting.
             pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
-            pipeline.execute()
+            created = pipeline.execute()[0]
+            if created:
+                # Our hash expired while Redis was away (or was lost with it): without its
+                # other fields and registration, nobody would count this worker.
+                pipeline.hset(self.key, mapping=self.serialize())
+                worker_registration.register(self, pipeline)
+                pipeline.expire(self.key, ttl)
+                pipeline.execute()
         self._next_heartbeat = time.monotonic() + ttl / 3
 
     def _requeue_inflight(self) -> None:
         if not self.inflight:
             return
         self.log.info("Worker %s: requeueing %d unfinished jobs", self.name, len(self.inflight))
-        self.engine.abort_request(list(self.inflight))
+        entries = list(self.inflight.values())
+        self._forget(entries)
         with self.connection.pipeline() as pipeline:
-            for entry in self.inflight.values():
+            for entry in entries:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
                 self.queue.enqueue_job(entry.job, pipeline=pipeline, at_front=True)
             pipeline.execute()
-        self.inflight.clear()
 
 
 def run_worker(settings: Settings) -> None:
