@@ -184,14 +184,22 @@ class StreamReader:
 
 
 def _frames(batch: list[Entry]) -> tuple[str, bool]:
-    """The SSE text of a batch of stream entries, and whether it holds the end."""
+    """The SSE text of a batch of stream entries, and whether it holds the end. Consecutive
+    deltas merge into one (the last one's id and count), so a client that fell behind
+    catches up in one event instead of one per token."""
     frames = []
-    for entry_id, fields in batch:
+    text, last_delta = [], None
+    for entry_id, fields in [*batch, ("", {})]:
         kind = fields.get("type")
         if kind == EVENT_DELTA:
-            delta = {"text": fields.get("text", ""), "num_tokens": int(fields.get("num_tokens", "0"))}
-            frames.append(_sse("delta", delta, entry_id))
-        elif kind == EVENT_RESET:
+            text.append(fields.get("text", ""))
+            last_delta = (entry_id, fields)
+            continue
+        if last_delta is not None:
+            delta_id, delta = last_delta
+            frames.append(_sse("delta", {"text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}, delta_id))
+            text, last_delta = [], None
+        if kind == EVENT_RESET:
             frames.append(_sse("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
         elif kind == EVENT_END:
             end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}

@@ -34,6 +34,12 @@ def stream_key(seq_id: str) -> str:
     return f"pagedq:stream:{seq_id}"
 
 
+def cancels_key(queue_name: str) -> str:
+    """A counter the api bumps on every cancel, so workers look for canceled jobs only
+    when it changes instead of reading every in-flight job's status every engine step."""
+    return f"pagedq:cancels:{queue_name}"
+
+
 class GenerateRequest(SamplingParams):
     """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
 

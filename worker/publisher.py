@@ -1,10 +1,11 @@
 """Publishes what running jobs have produced so far: text deltas to each job's Redis stream
 (GET /stream relays them) and the partial result to `job.meta` (GET /result shows it).
 
-`update()` only records an engine output; `flush()` sends everything recorded since the
-last successful flush in one round trip, whatever the number of jobs. A flush that fails
-(Redis away) changes nothing here, so the next one sends the text the failed one missed:
-a stream never skips text.
+`update()` only records an engine output; `publish()` queues everything recorded since
+the last send into a caller's pipeline as one script call, whatever the number of jobs
+(the batch worker sends it with its own per-step call: one round trip per engine step),
+and `published()` marks it sent. A pipeline that fails (Redis away) changes nothing
+here, so the next one carries the text the failed one missed: a stream never skips text.
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, PROGRESS_META_K
 # One round trip for a whole engine step, whatever the number of jobs: on a small model
 # the worker's Redis traffic would otherwise cost as much as the step itself.
 # KEYS: the streams getting a delta, then the job hashes getting a partial result.
-# ARGV: the stream TTL, the number of streams, (text, num_tokens) per stream, then the
-# serialized job.meta per job hash (written only if the job still exists: a write to a
-# deleted job would recreate its hash).
+# ARGV: the stream TTL, the number of streams, (text, num_tokens, new) per stream, then the
+# serialized job.meta per job hash. A stream's TTL is set by its first delta (new = 1) and
+# kept by XADD. A meta is written only if its job still exists: a write to a deleted job
+# would recreate its hash.
 _PUBLISH = """
 local ttl, streams = ARGV[1], tonumber(ARGV[2])
 for i = 1, streams do
-    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'text', ARGV[2 * i + 1], 'num_tokens', ARGV[2 * i + 2])
-    redis.call('EXPIRE', KEYS[i], ttl)
+    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'text', ARGV[3 * i], 'num_tokens', ARGV[3 * i + 1])
+    if ARGV[3 * i + 2] == '1' then
+        redis.call('EXPIRE', KEYS[i], ttl)
+    end
 end
 for i = streams + 1, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[streams + i + 2])
+        redis.call('HSET', KEYS[i], 'meta', ARGV[2 * streams + i + 2])
     end
 end
 return #KEYS
@@ -81,7 +85,6 @@ class ProgressPublisher:
         self.connection = connection
         self.stream_ttl_s = stream_ttl_s
         self.progress_interval_s = progress_interval_s
-        self._publish = connection.register_script(_PUBLISH)
         self._jobs: dict[str, _Published] = {}
         self._dirty: set[str] = set()
 
@@ -105,8 +108,9 @@ class ProgressPublisher:
             progress.first_token = output.metrics.first_token_time or time.time()
         self._dirty.add(seq_id)
 
-    def flush(self) -> None:
-        """Send every recorded delta, and the partial results due, in one round trip."""
+    def publish(self, pipeline: Pipeline) -> None:
+        """Queue everything recorded since the last published() into `pipeline`, as one
+        script call; call published() once the pipeline has run."""
         if not self._dirty:
             return
         now = time.monotonic()
@@ -118,9 +122,10 @@ class ProgressPublisher:
             completion = state.output.outputs[0]
             if len(completion.token_ids) > state.sent_tokens:
                 streams.append(stream_key(seq_id))
-                deltas += [completion.text[state.sent_chars:], len(completion.token_ids)]
+                deltas += [completion.text[state.sent_chars:], len(completion.token_ids), int(state.sent_tokens == 0)]
             # Partial results are rewritten whole, so they are throttled; deltas never are.
             if now >= state.next_progress_at and not state.output.finished:
+                state.next_progress_at = now + self.progress_interval_s
                 progress_due.append(state)
         metas = []
         for state in progress_due:
@@ -128,18 +133,25 @@ class ProgressPublisher:
             state.progress.text = completion.text
             state.progress.token_ids = list(completion.token_ids)
             metas.append(_meta_with(state.job, state.progress))
-        self._publish(
-            keys=[*streams, *(state.job.key for state in progress_due)],
-            args=[self.stream_ttl_s, len(streams), *deltas, *metas],
-        )
+        keys = [*streams, *(state.job.key for state in progress_due)]
+        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+        pipeline.eval(_PUBLISH, len(keys), *keys, self.stream_ttl_s, len(streams), *deltas, *metas)
+
+    def published(self) -> None:
+        """The pipeline given to publish() ran: what it carried is sent."""
         for seq_id in self._dirty:
             state = self._jobs[seq_id]
             completion = state.output.outputs[0]
             state.sent_chars = len(completion.text)
             state.sent_tokens = len(completion.token_ids)
-        for state in progress_due:
-            state.next_progress_at = now + self.progress_interval_s
         self._dirty.clear()
+
+    def flush(self) -> None:
+        """Send everything recorded so far, in one round trip."""
+        with self.connection.pipeline(transaction=False) as pipeline:
+            self.publish(pipeline)
+            pipeline.execute()
+        self.published()
 
     def forget(self, seq_id: str) -> None:
         self._jobs.pop(seq_id, None)

@@ -49,7 +49,7 @@ from rq.suspension import is_suspended
 from rq.utils import as_text
 from rq.worker import BaseWorker, WorkerStatus
 
-from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload
+from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, cancels_key
 from pagedq.settings import Settings
 from worker.publisher import ProgressPublisher, publish_end
 
@@ -57,30 +57,31 @@ if TYPE_CHECKING:
     from pagedq.engine import LLMEngine
     from pagedq.outputs import RequestOutput
 
-# Moves up to ARGV[1] ids from the queue to its intermediate list (RQ's crash-safe
-# hand-off) in one round trip.
-_TAKE_MANY = """
+# One round trip per tick for what the worker must learn from Redis:
+# 1. the api's cancel counter (see protocol.cancels_key);
+# 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
+#    requeued), run by another worker, or this execution gone from the started registry
+#    (reaped after a stall); their positions, 1-based;
+# 3. up to ARGV[3] new job ids, moved from the queue to its intermediate list (RQ's
+#    crash-safe hand-off).
+# KEYS: the started registry, the queue, its intermediate list, the cancel counter, then
+# the hashes of the jobs to check. ARGV: the started status, this worker's name, how many
+# ids to take, then each checked job's execution composite key.
+_SYNC = """
+local lost = {}
+for i = 5, #KEYS do
+    local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
+    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[1], ARGV[i - 1]) then
+        lost[#lost + 1] = i - 4
+    end
+end
 local taken = {}
-for _ = 1, tonumber(ARGV[1]) do
-    local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+for _ = 1, tonumber(ARGV[3]) do
+    local id = redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT')
     if not id then break end
     taken[#taken + 1] = id
 end
-return taken
-"""
-# The positions (1-based) of the jobs no longer this worker's to run: not started, run
-# by another worker, or this execution gone from the started registry (reaped).
-# KEYS: the started registry, then the job hashes. ARGV: the started status, this
-# worker's name, then each job's execution composite key.
-_LOST_JOBS = """
-local lost = {}
-for i = 2, #KEYS do
-    local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
-    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[1], ARGV[i + 1]) then
-        lost[#lost + 1] = i - 1
-    end
-end
-return lost
+return {redis.call('GET', KEYS[4]) or '0', lost, taken}
 """
 # How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
 _IDLE_WAIT_S = 1.0
@@ -124,8 +125,6 @@ class BatchWorker(BaseWorker):
         self.inflight: dict[str, InFlight] = {}
         self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
-        self._take_many = connection.register_script(_TAKE_MANY)
-        self._lost_jobs = connection.register_script(_LOST_JOBS)
         # Job ids named by stop-job commands; filled by RQ's pubsub thread.
         self._stop_requests: set[str] = set()
         self._draining = False
@@ -133,6 +132,8 @@ class BatchWorker(BaseWorker):
         self._suspended = False
         self._next_reap = 0.0
         self._next_heartbeat = 0.0
+        self._next_full_check = 0.0
+        self._cancels_seen = b""
 
     # ---- RQ hooks -------------------------------------------------------------------
 
@@ -174,9 +175,10 @@ class BatchWorker(BaseWorker):
                     self._tick()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                     self.log.error("Worker %s: Redis unavailable (%s), retrying", self.name, exc)
-                    self._next_heartbeat = 0.0
+                    # Heartbeats first once it is back, then a look at every job.
+                    self._next_heartbeat = self._next_full_check = 0.0
                     time.sleep(_REDIS_RETRY_S)
-            self._drop_lost_jobs()
+            self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
         finally:
             self.teardown()
@@ -186,13 +188,15 @@ class BatchWorker(BaseWorker):
             self._heartbeat()
         if time.monotonic() >= self._next_reap:
             self._reap()
-        if self.inflight:
-            self._drop_lost_jobs()
-        if not self._draining:
-            self._admit()
         if self.engine.has_unfinished_requests():
             self._step()
-        self._publish_and_finish()
+        # After the step: its deltas go out, and jobs it finished are checked before RQ records them.
+        taken = self._sync_with_redis()
+        self._finish_jobs()
+        if taken:
+            self._start_jobs(taken)
+        elif not self.engine.has_unfinished_requests():
+            self._wait_for_work()
 
     def _reap(self) -> None:
         """Requeue (or fail, when out of retries) the jobs of workers that stopped beating."""
@@ -202,21 +206,61 @@ class BatchWorker(BaseWorker):
             self.run_maintenance_tasks()
         self._next_reap = time.monotonic() + self.settings.reaper_interval_s
 
-    # ---- admission ------------------------------------------------------------------
+    # ---- admission and in-flight checks --------------------------------------------
 
-    def _admit(self) -> None:
-        busy = self.engine.has_unfinished_requests()
-        free = self.capacity - len(self.inflight)
-        if free <= 0 or self._suspended or self.engine.stats()["num_waiting"] > 0:
-            if not busy:
-                time.sleep(_IDLE_WAIT_S)  # suspended (or full of finished jobs Redis has not taken yet)
+    def _sync_with_redis(self, admit: bool = True, full: bool = False) -> list[str]:
+        """One round trip: publish the step's deltas, drop the jobs no longer ours, and
+        take new job ids (while admitting: capacity left and no backlog in the engine, so
+        queued jobs stay in Redis for other workers). Then stop those asked to stop.
+
+        Every in-flight job is checked when the api's cancel counter moved (so a cancel
+        aborts its job before the next engine step), every reaper interval (cancels made
+        through RQ directly), and after a Redis outage; in between only the jobs about to
+        be finished are, so a job reaped after a stall and rerun elsewhere never finishes
+        here too."""
+        entries = list(self.inflight.values())
+        full = full or time.monotonic() >= self._next_full_check
+        take = 0
+        if admit and not self._draining and not self._suspended and self.engine.stats()["num_waiting"] == 0:
+            take = max(0, self.capacity - len(entries))
+        checked = entries if full else [entry for entry in entries if entry.final is not None]
+        cancels, lost, taken = self._redis_sync(checked, take, publish=True)
+        if not full and cancels != self._cancels_seen:
+            _, lost, _ = self._redis_sync(entries, 0)
+            full = True
+        self._cancels_seen = cancels
+        if full:
+            self._next_full_check = time.monotonic() + self.settings.reaper_interval_s
+        if lost:
+            self._drop(lost)
+        if self._stop_requests:
+            self._stop_jobs()
+        return taken
+
+    def _redis_sync(
+        self, checked: list[InFlight], take: int, publish: bool = False
+    ) -> tuple[bytes, list[InFlight], list[str]]:
+        keys = [self.queue.started_job_registry.key, self.queue.key, self.queue.intermediate_queue_key,
+                cancels_key(self.queue.name), *(entry.job.key for entry in checked)]
+        args = [JobStatus.STARTED.value, self.name, take, *(entry.execution.composite_key for entry in checked)]
+        with self.connection.pipeline(transaction=False) as pipeline:
+            if publish:
+                self.publisher.publish(pipeline)
+            # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+            pipeline.eval(_SYNC, len(keys), *keys, *args)
+            cancels, lost_positions, taken = pipeline.execute()[-1]
+        if publish:
+            self.publisher.published()
+        return cancels, [checked[position - 1] for position in lost_positions], [as_text(i) for i in taken]
+
+    def _wait_for_work(self) -> None:
+        """Idle: block on the queue for a while (or just wait, when not admitting)."""
+        if self._draining or self._suspended or len(self.inflight) >= self.capacity:
+            time.sleep(_IDLE_WAIT_S)
             return
-        ids = [as_text(i) for i in self._take_many(keys=[self.queue.key, self.queue.intermediate_queue_key], args=[free])]
-        if not ids and not busy:
-            first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
-            ids = [as_text(first)] if first is not None else []
-        if ids:
-            self._start_jobs(ids)
+        first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
+        if first is not None:
+            self._start_jobs([as_text(first)])
 
     def _start_jobs(self, ids: list[str]) -> None:
         """Mark the taken jobs started in one transaction, then hand them to the engine."""
@@ -265,29 +309,16 @@ class BatchWorker(BaseWorker):
         self.inflight[execution.id] = InFlight(job, execution, payload, started_at=time.time())
         self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids))
 
-    # ---- in-flight checks -----------------------------------------------------------
-
-    def _drop_lost_jobs(self) -> None:
-        """Abort the jobs that are no longer ours to finish, and stop those asked to stop."""
-        entries = list(self.inflight.values())
-        if not entries:
-            return
-        lost_positions = self._lost_jobs(
-            keys=[self.queue.started_job_registry.key, *(entry.job.key for entry in entries)],
-            args=[JobStatus.STARTED.value, self.name, *(entry.execution.composite_key for entry in entries)],
-        )
-        lost = [entries[position - 1] for position in lost_positions]
-        if lost:
-            # Canceled, deleted, or reaped and requeued after a stall. Aborting frees their KV blocks now.
-            self._forget(lost)
-            with self.connection.pipeline() as pipeline:
-                for entry in lost:
-                    self.cleanup_execution(entry.job, pipeline, entry.execution)
-                pipeline.execute()
-            self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))
-            self._next_heartbeat = 0.0  # publish the freed blocks promptly
-        if self._stop_requests:
-            self._stop_jobs()
+    def _drop(self, lost: list[InFlight]) -> None:
+        """Canceled, deleted, or reaped and requeued after a stall: no longer ours to
+        finish. Aborting frees their KV blocks now."""
+        self._forget(lost)
+        with self.connection.pipeline() as pipeline:
+            for entry in lost:
+                self.cleanup_execution(entry.job, pipeline, entry.execution)
+            pipeline.execute()
+        self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))
+        self._next_heartbeat = 0.0  # publish the freed blocks promptly
 
     def _stop_jobs(self) -> None:
         requested, self._stop_requests = self._stop_requests, set()
@@ -319,23 +350,26 @@ class BatchWorker(BaseWorker):
             if output.finished:
                 entry.final = output
 
-    def _publish_and_finish(self) -> None:
-        """Send this step's deltas, then record finished jobs' results through RQ."""
-        self.publisher.flush()
-        for entry in [entry for entry in self.inflight.values() if entry.final is not None]:
-            self._finish(entry)
+    def _finish_jobs(self) -> None:
+        """Record finished jobs' results through RQ, then tell their streams (after the
+        results, so a client that sees "end" can read them)."""
+        finished = [entry for entry in self.inflight.values() if entry.final is not None]
+        if not finished:
+            return
+        ends = [self._finish(entry) for entry in finished]
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for seq_id, finish_reason in ends:
+                publish_end(pipeline, seq_id, "finished", self.settings.stream_ttl_s, finish_reason=finish_reason)
+            pipeline.execute()
 
-    def _finish(self, entry: InFlight) -> None:
+    def _finish(self, entry: InFlight) -> tuple[str, str]:
         job = entry.job
         payload = entry.payload
         result = GenerationResult.from_output(entry.final, job.id, payload.prompt, payload.enqueued_at, entry.started_at)
         self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
-        # After RQ has recorded the result, so a client that sees "end" can read it.
-        with self.connection.pipeline(transaction=False) as pipeline:
-            publish_end(pipeline, job.id, "finished", self.settings.stream_ttl_s, finish_reason=result.finish_reason or "")
-            pipeline.execute()
+        return job.id, result.finish_reason or ""
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
