@@ -18,6 +18,8 @@ import torch
 import uvicorn
 
 from api.app import create_app
+from rq.suspension import suspend
+
 from pagedq import LLM, SamplingParams
 from pagedq.redis_server import free_port
 from pagedq.settings import Settings
@@ -121,3 +123,9 @@ def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
         return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         torch.set_num_threads(threads)
+
+
+def suspend_workers(redis, api_url: str) -> None:
+    """`rq suspend`, then wait until the worker says it has stopped taking jobs."""
+    suspend(redis)
+    wait_until(lambda: {w["state"] for w in ready_workers(api_url)} == {"suspended"}, 10, "the worker to suspend")

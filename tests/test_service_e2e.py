@@ -16,12 +16,21 @@ from redis import Redis
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 from rq.serializers import JSONSerializer
-from rq.suspension import resume, suspend
+from rq.suspension import resume
 
 from pagedq.client import Client, SSEParser
 from pagedq.protocol import GenerationResult
 from pagedq.redis_server import RedisServer
-from tests.service_helpers import REPO, ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
+from tests.service_helpers import (
+    REPO,
+    ApiServer,
+    WorkerProcess,
+    offline_greedy,
+    service_settings,
+    suspend_workers,
+    wait_for_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 QUEUE = "e2e"
@@ -97,10 +106,8 @@ def test_fifty_concurrent_requests_match_the_offline_engine(service, client, mod
 
 def test_polling_and_streaming_follow_a_job_from_queued_to_finished(service, client):
     api, redis, _ = service
-    suspend(redis)  # the worker stops admitting: the job stays queued while we look
+    suspend_workers(redis, api.url)  # the worker stops admitting: the job stays queued while we look
     try:
-        wait_until(lambda: engine_stats(api.url)["num_running"] == 0, 10, "the worker to be idle")
-        time.sleep(1.0)  # past the worker's reaper interval: it has seen the suspension
         seq_id = client.submit(prompt="Once upon a time", max_tokens=700, ignore_eos=True, temperature=0)["seq_id"]
         events = []
         with ThreadPoolExecutor(1) as pool:
@@ -157,9 +164,8 @@ def read_sse(http: httpx.Client, seq_id: str, headers: dict, stop_after_deltas: 
 
 def test_cancel_a_queued_job_and_it_never_runs(service, client):
     api, redis, _ = service
-    suspend(redis)
+    suspend_workers(redis, api.url)
     try:
-        time.sleep(1.0)  # the worker has seen the suspension
         seq_id = client.submit(prompt="never", max_tokens=5)["seq_id"]
         assert client.cancel(seq_id)["status"] == "canceled"
     finally:

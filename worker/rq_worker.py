@@ -184,10 +184,10 @@ class BatchWorker(BaseWorker):
             self.teardown()
 
     def _tick(self) -> None:
-        if time.monotonic() >= self._next_heartbeat:
-            self._heartbeat()
         if time.monotonic() >= self._next_reap:
             self._reap()
+        if time.monotonic() >= self._next_heartbeat:
+            self._heartbeat()
         if self.engine.has_unfinished_requests():
             self._step()
         # After the step: its deltas go out, and jobs it finished are checked before RQ records them.
@@ -201,7 +201,10 @@ class BatchWorker(BaseWorker):
     def _reap(self) -> None:
         """Requeue (or fail, when out of retries) the jobs of workers that stopped beating."""
         self.queue.started_job_registry.cleanup()
-        self._suspended = is_suspended(self.connection)
+        suspended = bool(is_suspended(self.connection))
+        if suspended != self._suspended:
+            self._suspended = suspended
+            self._next_heartbeat = 0.0  # show the new state now
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         self._next_reap = time.monotonic() + self.settings.reaper_interval_s
@@ -389,7 +392,8 @@ class BatchWorker(BaseWorker):
             self.heartbeat(ttl, pipeline=pipeline)
             for entry in self.inflight.values():
                 entry.execution.heartbeat(registry, ttl, pipeline)
-            self.set_state(WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE, pipeline)
+            state = WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE
+            self.set_state(state, pipeline)
             # Lets /ready and tests see the engine's block accounting.
             pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
             created = pipeline.execute()[0]
@@ -411,8 +415,11 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline() as pipeline:
             for entry in entries:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
-                self.queue.enqueue_job(entry.job, pipeline=pipeline, at_front=True)
             pipeline.execute()
+        # One at a time (enqueue_job opens its own transaction), last first, so they
+        # stand at the queue's front in the order they came.
+        for entry in reversed(entries):
+            self.queue.enqueue_job(entry.job, at_front=True)
 
 
 def run_worker(settings: Settings) -> None:
