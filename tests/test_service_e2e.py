@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from redis import Redis
+from rq.command import send_stop_job_command
 from rq.job import Job
 from rq.registry import FinishedJobRegistry
 from rq.serializers import JSONSerializer
@@ -182,13 +183,13 @@ def test_cancel_a_running_job_frees_its_blocks(service, client):
     api, redis, _ = service
     seq_id = client.submit(prompt="a long one", max_tokens=900, ignore_eos=True, temperature=0)["seq_id"]
     wait_until(lambda: len(client.result(seq_id)["token_ids"]) >= 20, 30, "the job to be generating")
-    # Engine stats reach the worker's hash with its heartbeats.
-    busy = wait_until(lambda: (stats := engine_stats(api.url))["num_running"] == 1 and stats, 10, "a heartbeat")
+    # The worker sends its engine stats with every step's round trip.
+    busy = wait_until(lambda: (stats := engine_stats(api.url))["num_running"] == 1 and stats, 10, "fresh stats")
     assert busy["num_free_blocks"] < busy["num_total_blocks"]
 
     canceled = client.cancel(seq_id)
     assert canceled["status"] == "canceled" and canceled["finish_reason"] == "abort"
-    # The worker publishes its engine stats as soon as it drops a job.
+    # ...and at once when it drops a job.
     freed = wait_until(
         lambda: (stats := engine_stats(api.url))["num_running"] == 0 and stats["requests_aborted"] > busy["requests_aborted"]
         and stats, 5, "the worker to abort the job",
@@ -236,3 +237,17 @@ def test_a_plain_rq_worker_runs_the_same_jobs(service, client, model, tmp_path):
     for field in ("text", "token_ids", "finish_reason", "usage"):
         assert plain_result[field] == batch_result[field]
     assert GenerationResult.model_validate(fetch(redis, seq_id).return_value()).seq_id == seq_id
+
+
+def test_rq_stop_job_command_reaches_the_right_job(service, client):
+    """RQ's stop-job command names one job; the batch worker stops that one and no other."""
+    api, redis, _ = service
+    stopped_id, other_id = (
+        client.submit(prompt=prompt, max_tokens=600, ignore_eos=True)["seq_id"] for prompt in ("stop me", "not me")
+    )
+    wait_until(lambda: all(client.result(s)["status"] == "running" for s in (stopped_id, other_id)), 30, "both running")
+    send_stop_job_command(redis, stopped_id, serializer=JSONSerializer)
+    stopped = client.wait(stopped_id)
+    assert stopped["status"] == "failed" and stopped["error"] == "worker.rq_worker.JobStopped: stopped by request"
+    assert fetch(redis, stopped_id).get_status() == "stopped"
+    assert client.wait(other_id)["status"] == "finished"

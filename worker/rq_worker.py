@@ -249,6 +249,7 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline(transaction=False) as pipeline:
             if publish:
                 self.publisher.publish(pipeline)
+                self._publish_engine_stats(pipeline)
             # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
             pipeline.eval(_SYNC, len(keys), *keys, *args)
             cancels, lost_positions, taken = pipeline.execute()[-1]
@@ -319,9 +320,9 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline() as pipeline:
             for entry in lost:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
+            self._publish_engine_stats(pipeline)  # the freed blocks, now
             pipeline.execute()
         self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))
-        self._next_heartbeat = 0.0  # publish the freed blocks promptly
 
     def _stop_jobs(self) -> None:
         requested, self._stop_requests = self._stop_requests, set()
@@ -329,7 +330,6 @@ class BatchWorker(BaseWorker):
             self._forget([entry])
             self._stopped_job_id = entry.job.id  # RQ then marks it STOPPED, never retried
             self._finalize_failure(entry.job, self.queue, entry.execution, (JobStopped, JobStopped("stopped by request"), None))
-        self._next_heartbeat = 0.0
 
     def _forget(self, entries: list[InFlight]) -> None:
         self.engine.abort_request([entry.request_id for entry in entries])
@@ -394,8 +394,7 @@ class BatchWorker(BaseWorker):
                 entry.execution.heartbeat(registry, ttl, pipeline)
             state = WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE
             self.set_state(state, pipeline)
-            # Lets /ready and tests see the engine's block accounting.
-            pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
+            self._publish_engine_stats(pipeline)
             created = pipeline.execute()[0]
             if created:
                 # Our hash expired while Redis was away (or was lost with it): without its
@@ -405,6 +404,11 @@ class BatchWorker(BaseWorker):
                 pipeline.expire(self.key, ttl)
                 pipeline.execute()
         self._next_heartbeat = time.monotonic() + ttl / 3
+
+    def _publish_engine_stats(self, pipeline) -> None:
+        """The engine's block accounting in the worker's hash, for /ready (and tests).
+        Sent with every step's round trip, so it is at most one step old."""
+        pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
 
     def _requeue_inflight(self) -> None:
         if not self.inflight:
