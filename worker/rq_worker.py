@@ -5,24 +5,26 @@ and death, executions, the started registry, success and failure handling with R
 so `rq info`, `Job.fetch(id).get_status()` and `return_value()` tell the truth, and
 replaces the work loop. One tick:
 
-1. heartbeat, when due: the worker and every execution, in one pipeline;
-2. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
+1. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
    checked often), and read the suspension flag;
-3. drop lost jobs: one script call checks every in-flight job; canceled ones, and ones
-   no longer ours (reaped after a stall, deleted), are aborted in the engine, which frees
-   their KV blocks at once; a job stopped with RQ's stop-job command fails as STOPPED;
-4. admit: move up to the free capacity of job ids off the queue in one script call and
-   mark them started in one transaction (only while the engine has no backlog, so queued
-   jobs stay in Redis for other workers);
-5. step the engine once, publish every job's delta in one round trip, and finish
-   completed jobs through RQ's success path.
+2. heartbeat, when due: the worker and every execution, in one pipeline;
+3. step the engine once;
+4. one round trip to Redis (`_sync_with_redis`): every job's new text goes to its stream,
+   the engine stats to the worker's hash, the api's cancel counter comes back, and so do
+   up to the free capacity of new job ids (taken only while the engine has no backlog,
+   so queued jobs stay in Redis for other workers). Jobs no longer ours (canceled,
+   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
+   at once; a job named by RQ's stop-job command fails as STOPPED;
+5. finish completed jobs through RQ's success path;
+6. mark the new jobs started in one transaction and hand them to the engine (or, idle,
+   block on the queue for a second).
 
 Each execution is its own engine request (its id is the request id), so a job that comes
 back to this worker after being requeued can never be confused with its earlier run.
 
 Redis going away: every Redis error is retried a second later, forever; the engine pauses
-(the tick fails before stepping) and what was not yet published or finished is kept and
-sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
+(a tick fails at its first Redis call) and what was not yet published or finished is kept
+and sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
 this worker's jobs reaped; after a long one they are requeued and run again, once.
 
 SIGTERM stops admission and lets in-flight jobs finish for `drain_timeout_s`; what is
