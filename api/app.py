@@ -11,8 +11,8 @@ import re
 from contextlib import asynccontextmanager
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
@@ -30,7 +30,18 @@ from pagedq.settings import Settings
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
 # The caller's API key ("" with auth off); module-level so FastAPI can resolve the annotation.
 Auth = Annotated[str, Depends(authenticate)]
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
+# Longer than any blocking read the api makes (StreamReader.poll_s).
+_REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
+# Blocking work (RQ's sync Redis calls, the tokenizer) runs in threads, this many at once:
+# with one thread per request, a burst of submissions shares the GIL round-robin and is
+# answered all together at the end; a few threads answer it in arrival order, so the
+# first jobs start running while later ones are still arriving.
+_BLOCKING_THREADS = 4
+
+
+async def _blocking(request: Request, function, *args):
+    return await anyio.to_thread.run_sync(function, *args, limiter=request.app.state.blocking)
 
 
 def _check_seq_id(seq_id: str) -> str:
@@ -45,11 +56,14 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.redis = Redis.from_url(redis_url)
-        app.state.aredis = AsyncRedis.from_url(redis_url)
+        # Bounded timeouts: a Redis that hangs must turn into a 503, not a hung request.
+        app.state.redis = Redis.from_url(redis_url, **_REDIS_TIMEOUTS)
+        app.state.aredis = AsyncRedis.from_url(redis_url, **_REDIS_TIMEOUTS)
         app.state.store = JobStore(app.state.redis, settings)
         app.state.streams = StreamReader(app.state.aredis)
+        app.state.blocking = anyio.CapacityLimiter(_BLOCKING_THREADS)
         yield
+        await app.state.streams.hub.close()
         await app.state.aredis.aclose()
         app.state.redis.close()
 
@@ -59,7 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
     install_error_handlers(app)
 
     @app.post("/generate", status_code=202, response_model=SubmitResponse, responses=_ERRORS)
-    def generate(
+    async def generate(
         body: GenerateRequest,
         request: Request,
         api_key: Auth,
@@ -67,13 +81,17 @@ def create_app(settings: Settings) -> FastAPI:
     ) -> SubmitResponse:
         if idempotency_key is not None and not _IDEMPOTENCY_KEY_PATTERN.match(idempotency_key):
             raise ApiError(400, "Idempotency-Key: 1 to 255 printable ASCII characters, no spaces")
-        try:
-            prompt_token_ids = checker.prompt_token_ids(body)
-        except ValueError as exc:
-            raise ApiError(422, str(exc)) from exc
         store: JobStore = request.app.state.store
+
+        def submit() -> tuple[str, str]:
+            try:
+                prompt_token_ids = checker.prompt_token_ids(body)
+            except ValueError as exc:
+                raise ApiError(422, str(exc)) from exc
+            return store.submit(body, prompt_token_ids, idempotency_key, api_key)
+
         try:
-            seq_id, status = store.submit(body, prompt_token_ids, idempotency_key, api_key)
+            seq_id, status = await _blocking(request, submit)
         except QueueFull as exc:
             raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
         except IdempotencyConflict as exc:
@@ -91,16 +109,16 @@ def create_app(settings: Settings) -> FastAPI:
         store: JobStore = request.app.state.store
         if wait > 0:
             await request.app.state.streams.wait_until_done(seq_id, min(wait, settings.max_wait_s))
-        snapshot = await run_in_threadpool(store.snapshot, seq_id)
+        snapshot = await _blocking(request, store.snapshot, seq_id)
         if snapshot is None:
             raise ApiError(404, f"no job {seq_id!r}")
         return snapshot
 
     @app.delete("/result/{seq_id}", response_model=ResultResponse, responses=_ERRORS)
-    def cancel(seq_id: str, request: Request, api_key: Auth) -> ResultResponse:
+    async def cancel(seq_id: str, request: Request, api_key: Auth) -> ResultResponse:
         _check_seq_id(seq_id)
         try:
-            snapshot = request.app.state.store.cancel(seq_id)
+            snapshot = await _blocking(request, request.app.state.store.cancel, seq_id)
         except AlreadyFinished as exc:
             raise ApiError(409, str(exc)) from exc
         if snapshot is None:
@@ -131,20 +149,19 @@ def create_app(settings: Settings) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready", responses={503: {"model": ErrorResponse}})
-    def ready(request: Request) -> JSONResponse:
-        connection: Redis = request.app.state.redis
-        try:
-            workers = _live_workers(connection, request.app.state.store.queue)
-        except Exception as exc:  # any Redis failure means "not ready", with the reason
-            return error_response(503, f"Redis unreachable: {exc}")
+    async def ready(request: Request) -> JSONResponse:
+        # Redis unreachable: 503 from the error handler.
+        queue = request.app.state.store.queue
+        workers, queue_depth = await _blocking(request, _live_workers, request.app.state.redis, queue)
         if not workers:
             return error_response(503, f"no live worker on queue {settings.queue_name!r}")
-        return JSONResponse({"status": "ready", "queue_depth": request.app.state.store.queue.count, "workers": workers})
+        return JSONResponse({"status": "ready", "queue_depth": queue_depth, "workers": workers})
 
     return app
 
 
-def _live_workers(connection: Redis, queue) -> list[dict]:
+def _live_workers(connection: Redis, queue) -> tuple[list[dict], int]:
+    """The queue's live workers (with their engine stats) and its depth."""
     keys = sorted(worker_registration.get_keys(queue=queue))
     with connection.pipeline(transaction=False) as pipeline:
         for key in keys:
@@ -159,4 +176,4 @@ def _live_workers(connection: Redis, queue) -> list[dict]:
             "state": state.decode(),
             "engine": json.loads(engine_stats) if engine_stats else None,
         })
-    return workers
+    return workers, queue.count

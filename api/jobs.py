@@ -26,6 +26,7 @@ from pagedq.protocol import (
     ResultResponse,
     Timings,
     Usage,
+    cancels_key,
 )
 from pagedq.settings import Settings
 from worker.publisher import publish_end
@@ -161,6 +162,7 @@ class JobStore:
                 pass  # canceled concurrently: the outcome is the same
             # A running job's worker notices within one engine step; the stream ends now.
             with self.connection.pipeline(transaction=False) as pipeline:
+                pipeline.incr(cancels_key(self.settings.queue_name))
                 publish_end(pipeline, seq_id, "canceled", self.settings.stream_ttl_s, finish_reason="abort")
                 pipeline.execute()
         return self.snapshot(seq_id)

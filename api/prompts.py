@@ -26,16 +26,20 @@ class PromptChecker:
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
+        self._check_token_ids("stop_token_ids", request.stop_token_ids or [])
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
-            bad = [i for i in ids if not 0 <= i < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+            self._check_token_ids("prompt_token_ids", ids)
         else:
             with self._lock:
                 ids = self.tokenizer.encode(request.prompt)
         self._check_length(len(ids), request.max_tokens)
         return ids
+
+    def _check_token_ids(self, field: str, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: ids must be in [0, {self.vocab_size}); got {bad[:5]}")
 
     def _check_length(self, prompt_tokens: int, max_tokens: int | None) -> None:
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:

@@ -1,24 +1,38 @@
-"""Async reads of a job's Redis stream: Server-Sent Events of text deltas, and long-poll waits.
+"""Async reads of jobs' Redis streams: Server-Sent Events of text deltas, and long-poll waits.
 
-The stream is written by whichever worker runs the job, so any api replica can relay it,
+A job's stream is written by whichever worker runs it, so any api replica can relay it,
 and an SSE client resumes with Last-Event-ID (a stream entry id). A job can end without
 an "end" entry (a worker died, RQ failed it, a plain `rq worker` ran it), so every quiet
 `poll_s` the job's status is checked too.
+
+One `StreamHub` per api process follows every stream its clients wait on with a single
+blocking XREAD: an XREAD per client would cost a Redis round trip per token per client,
+which at a few thousand tokens a second costs the api more CPU than the engine's steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 
 from api.jobs import TERMINAL, job_state
 from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, JobState, stream_key
 
 STREAM_ID_PATTERN = r"^\d+-\d+$"
+log = logging.getLogger("pagedq.api")
+
+Entry = tuple[str, dict[str, str]]
 
 
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
@@ -26,62 +40,169 @@ def _sse(event: str, data: dict, event_id: str | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-def _fields(raw: dict) -> dict[str, str]:
-    return {key.decode(): value.decode() for key, value in raw.items()}
+def _entry_id(text: str) -> tuple[int, int]:
+    milliseconds, _, sequence = text.partition("-")
+    return int(milliseconds), int(sequence)
+
+
+@dataclass(eq=False)
+class _Follower:
+    cursor: str
+    # Batches of new entries, or the exception that stopped the hub.
+    batches: asyncio.Queue[list[Entry] | Exception] = field(default_factory=asyncio.Queue)
+
+
+class StreamHub:
+    def __init__(self, connection: AsyncRedis, block_s: float = 1.0):
+        self.connection = connection
+        self.block_ms = int(block_s * 1000)
+        # XADDed to when a follower joins, so the blocked XREAD returns and takes it in.
+        self._wake_key = f"pagedq:api-wake:{uuid.uuid4().hex}"
+        self._followers: dict[str, set[_Follower]] = {}
+        self._task: asyncio.Task | None = None
+
+    @asynccontextmanager
+    async def follow(self, seq_id: str, cursor: str) -> AsyncIterator[asyncio.Queue[list[Entry] | Exception]]:
+        """A queue of the stream's entries after `cursor`, in batches, while the context lasts."""
+        key = stream_key(seq_id)
+        follower = _Follower(cursor)
+        self._followers.setdefault(key, set()).add(follower)
+        try:
+            if self._task is None or self._task.done():
+                self._task = asyncio.create_task(self._run())
+            else:
+                await self._wake()
+            yield follower.batches
+        finally:
+            followers = self._followers.get(key, set())
+            followers.discard(follower)
+            if not followers:
+                self._followers.pop(key, None)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _wake(self) -> None:
+        async with self.connection.pipeline(transaction=False) as pipeline:
+            pipeline.xadd(self._wake_key, {"w": "1"}, maxlen=1)
+            pipeline.expire(self._wake_key, 60)
+            await pipeline.execute()
+
+    async def _run(self) -> None:
+        try:
+            while self._followers:
+                cursors = {
+                    key: min((f.cursor for f in followers), key=_entry_id) for key, followers in self._followers.items()
+                }
+                reply = await self.connection.xread({**cursors, self._wake_key: "$"}, count=512, block=self.block_ms)
+                for raw_key, raw_entries in reply or []:
+                    entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
+                    for follower in self._followers.get(raw_key.decode(), ()):
+                        cursor = _entry_id(follower.cursor)
+                        new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
+                        if new:
+                            follower.cursor = new[-1][0]
+                            follower.batches.put_nowait(new)
+        except Exception as exc:  # Redis gone (or a bug): every follower learns of it, none hangs
+            if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+                log.exception("stream hub failed")
+            for followers in self._followers.values():
+                for follower in followers:
+                    follower.batches.put_nowait(exc)
 
 
 class StreamReader:
     def __init__(self, connection: AsyncRedis, poll_s: float = 0.5):
         self.connection = connection
         self.poll_s = poll_s
+        self.hub = StreamHub(connection)
 
     async def state(self, seq_id: str) -> JobState | None:
         return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))
 
-    async def _read(self, seq_id: str, cursor: str, block_s: float | None) -> list[tuple[str, dict[str, str]]]:
-        block = None if block_s is None else max(1, int(block_s * 1000))
-        reply = await self.connection.xread({stream_key(seq_id): cursor}, count=512, block=block)
-        if not reply:
-            return []
-        return [(entry_id.decode(), _fields(fields)) for entry_id, fields in reply[0][1]]
+    async def _next(self, batches: asyncio.Queue, timeout_s: float) -> list[Entry] | None:
+        """The next batch of entries; None after `timeout_s` without one."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                batch = await batches.get()
+        except TimeoutError:
+            return None
+        if isinstance(batch, Exception):
+            raise batch
+        return batch
 
     async def events(self, seq_id: str, last_event_id: str | None) -> AsyncIterator[str]:
-        """SSE frames: `delta` {text}, `reset` {attempt} (drop text so far: a retry starts over),
-        and a final `end` {status, finish_reason}."""
-        cursor = last_event_id or "0-0"
-        status_seen_terminal = False
-        while True:
-            entries = await self._read(seq_id, cursor, None if status_seen_terminal else self.poll_s)
-            for entry_id, fields in entries:
-                cursor = entry_id
-                kind = fields.get("type")
-                if kind == EVENT_DELTA:
-                    yield _sse("delta", {"text": fields.get("text", "")}, entry_id)
-                elif kind == EVENT_RESET:
-                    yield _sse("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id)
-                elif kind == EVENT_END:
-                    yield _sse("end", {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}, entry_id)
+        """SSE frames: `delta` {text, num_tokens} (num_tokens: generated so far), `reset`
+        {attempt} (drop the text so far: a retry starts over), and a final `end` {status,
+        finish_reason}. Redis going away mid-stream ends the response without `end`: the
+        client reconnects with Last-Event-ID (and gets 503 until Redis is back)."""
+        try:
+            async for frames in self._relay(seq_id, last_event_id or "0-0"):
+                yield frames
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("stream %s: Redis unreachable (%s); closing the stream", seq_id, exc)
+
+    async def _relay(self, seq_id: str, cursor: str) -> AsyncIterator[str]:
+        async with self.hub.follow(seq_id, cursor) as batches:
+            terminal_seen = False
+            while True:
+                batch = await self._next(batches, self.poll_s)
+                if batch is None:
+                    if terminal_seen:
+                        # Ended without an "end" entry, and everything written has been relayed.
+                        yield _sse("end", {"status": await self.state(seq_id), "finish_reason": None})
+                        return
+                    state = await self.state(seq_id)
+                    terminal_seen = state is None or state in TERMINAL
+                    continue
+                # One chunk per batch: fewer, larger writes when many tokens arrive together.
+                frames, ended = _frames(batch)
+                yield frames
+                if ended:
                     return
-            if entries:
-                continue
-            if status_seen_terminal:
-                # Ended without an "end" entry, and everything written has been relayed.
-                yield _sse("end", {"status": await self.state(seq_id), "finish_reason": None})
-                return
-            state = await self.state(seq_id)
-            status_seen_terminal = state is None or state in TERMINAL
 
     async def wait_until_done(self, seq_id: str, timeout_s: float) -> None:
         """Return when the job is terminal or `timeout_s` has passed, waking on its "end" entry."""
         deadline = time.monotonic() + timeout_s
         last = await self.connection.xrevrange(stream_key(seq_id), count=1)
         cursor = last[0][0].decode() if last else "0-0"
-        while True:
-            state = await self.state(seq_id)
-            remaining = deadline - time.monotonic()
-            if state is None or state in TERMINAL or remaining <= 0:
-                return
-            for entry_id, fields in await self._read(seq_id, cursor, min(self.poll_s, remaining)):
-                cursor = entry_id
-                if fields.get("type") == EVENT_END:
+        async with self.hub.follow(seq_id, cursor) as batches:
+            while True:
+                state = await self.state(seq_id)
+                if state is None or state in TERMINAL:
                     return
+                # Deltas come and go; only an "end" entry or a quiet poll_s needs a status check.
+                while (remaining := deadline - time.monotonic()) > 0:
+                    batch = await self._next(batches, min(self.poll_s, remaining))
+                    if batch is None:
+                        break
+                    if any(fields.get("type") == EVENT_END for _, fields in batch):
+                        return
+                else:
+                    return
+
+
+def _frames(batch: list[Entry]) -> tuple[str, bool]:
+    """The SSE text of a batch of stream entries, and whether it holds the end. Consecutive
+    deltas merge into one (the last one's id and count), so a client that fell behind
+    catches up in one event instead of one per token."""
+    frames = []
+    text, last_delta = [], None
+    for entry_id, fields in [*batch, ("", {})]:
+        kind = fields.get("type")
+        if kind == EVENT_DELTA:
+            text.append(fields.get("text", ""))
+            last_delta = (entry_id, fields)
+            continue
+        if last_delta is not None:
+            delta_id, delta = last_delta
+            frames.append(_sse("delta", {"text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}, delta_id))
+            text, last_delta = [], None
+        if kind == EVENT_RESET:
+            frames.append(_sse("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
+        elif kind == EVENT_END:
+            end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}
+            frames.append(_sse("end", end, entry_id))
+            return "".join(frames), True
+    return "".join(frames), False

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,7 +84,7 @@ class Client:
                 yield data["text"]
 
     def events(self, seq_id: str, reconnects: int = 3) -> Iterator[tuple[str, dict]]:
-        """The job's SSE events (`delta` {text}, `reset` {attempt}, `end` {status, finish_reason}),
+        """The job's SSE events (`delta` {text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}),
         reconnecting with Last-Event-ID when the connection drops."""
         last_event_id: str | None = None
         failures = 0
@@ -100,10 +101,13 @@ class Client:
                         yield event, data
                         if event == "end":
                             return
+                reason = "the stream ended early"
             except httpx.TransportError as exc:
-                failures += 1
-                if failures > reconnects:
-                    raise ServiceUnreachable(self.base_url, str(exc) or type(exc).__name__) from exc
+                reason = str(exc) or type(exc).__name__
+            failures += 1
+            if failures > reconnects:
+                raise ServiceUnreachable(self.base_url, reason)
+            time.sleep(min(2.0, 0.25 * 2**failures))
 
     def _request(self, method: str, path: str, **kwargs: Any) -> dict:
         try:
@@ -123,16 +127,32 @@ class Client:
         return ClientError(response.status_code, message)
 
 
-def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict, str | None]]:
-    event, data, event_id = "message", [], None
-    for line in lines:
+class SSEParser:
+    """Server-Sent Events, fed one line at a time (sync or async readers alike)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.event, self.data, self.event_id = "message", [], None
+
+    def feed(self, line: str) -> tuple[str, dict, str | None] | None:
+        """The (event, data, id) that this line completes, else None."""
         if not line:
-            if data:
-                yield event, json.loads("\n".join(data)), event_id
-            event, data, event_id = "message", [], None
-        elif line.startswith("event:"):
-            event = line[6:].strip()
+            frame = (self.event, json.loads("\n".join(self.data)), self.event_id) if self.data else None
+            self._reset()
+            return frame
+        if line.startswith("event:"):
+            self.event = line[6:].strip()
         elif line.startswith("data:"):
-            data.append(line[5:].strip())
+            self.data.append(line[5:].strip())
         elif line.startswith("id:"):
-            event_id = line[3:].strip()
+            self.event_id = line[3:].strip()
+        return None
+
+
+def _parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict, str | None]]:
+    parser = SSEParser()
+    for line in lines:
+        if (frame := parser.feed(line)) is not None:
+            yield frame

@@ -34,6 +34,12 @@ def stream_key(seq_id: str) -> str:
     return f"pagedq:stream:{seq_id}"
 
 
+def cancels_key(queue_name: str) -> str:
+    """A counter the api bumps on every cancel, so workers look for canceled jobs only
+    when it changes instead of reading every in-flight job's status every engine step."""
+    return f"pagedq:cancels:{queue_name}"
+
+
 class GenerateRequest(SamplingParams):
     """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
 
@@ -42,7 +48,10 @@ class GenerateRequest(SamplingParams):
     priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
 
     @model_validator(mode="after")
-    def _exactly_one_prompt(self) -> GenerateRequest:
+    def _one_prompt_one_completion(self) -> GenerateRequest:
+        if self.n != 1:
+            # A job's result holds one completion; parallel samples are separate requests.
+            raise ValueError("n: the service returns one completion per request; send n requests (with different seeds)")
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if self.prompt is not None and not self.prompt:
@@ -104,13 +113,15 @@ class GenerationResult(BaseModel):
     timings: Timings
 
     @classmethod
-    def from_output(cls, output: RequestOutput, prompt: str | None, enqueued_at: float, started_at: float | None) -> GenerationResult:
+    def from_output(
+        cls, output: RequestOutput, seq_id: str, prompt: str | None, enqueued_at: float, started_at: float | None
+    ) -> GenerationResult:
         completion = output.outputs[0]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in completion.logprobs]
         return cls(
-            seq_id=output.request_id,
+            seq_id=seq_id,
             prompt=prompt,
             text=completion.text,
             token_ids=list(completion.token_ids),
@@ -153,6 +164,8 @@ class ErrorResponse(BaseModel):
 
 
 # Stream events (fields of one Redis stream entry, all strings).
-EVENT_DELTA = "delta"  # {"type": "delta", "text": "..."}
+# {"type": "delta", "text": "...", "num_tokens": "N"}: new text (possibly empty: a token that
+# ends mid-character) and the count of tokens generated so far.
+EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # a retried attempt starts over: drop the text received so far
 EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}

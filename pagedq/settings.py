@@ -6,6 +6,7 @@ Values come from `PAGEDQ_*` environment variables (e.g. `PAGEDQ_REDIS_URL`,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
@@ -19,6 +20,10 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(None, description="None: `pagedq up` launches a local Redis.")
     model: str | None = Field(None, description="Local Hugging Face checkpoint directory.")
     queue_name: str = Field("pagedq", pattern=r"^[A-Za-z0-9_.:-]+$")
+    cache_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".cache" / "pagedq",
+        description="`pagedq up`'s tiny checkpoint and Redis data (AOF) live here.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
 
@@ -28,6 +33,10 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
     num_gpu_blocks: int | None = Field(None, ge=1, description="Override the KV cache size in blocks.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="The worker's torch CPU threads; None: on a CPU device all cores but one "
+        "(the api, Redis and clients share the machine), else torch's default.",
+    )
 
     # Client side (`pagedq submit/result/cancel`).
     url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")

@@ -28,8 +28,8 @@ def bench_offline(model_dir: str, *extra: str) -> list[str]:
     ]
 
 
-def expected_output_tokens() -> int:
-    workload = make_workload(NUM_PROMPTS, LengthRange(3, 24), LengthRange(2, 9), vocab_size=512, seed=0,
+def expected_output_tokens(num_prompts: int = NUM_PROMPTS) -> int:
+    workload = make_workload(num_prompts, LengthRange(3, 24), LengthRange(2, 9), vocab_size=512, seed=0,
                              temperature=0.6)
     return workload.total_output_tokens
 
@@ -128,3 +128,33 @@ def test_length_range_and_workload_are_reproducible():
     assert all(5 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in first.prompts)
     assert all(1 <= n <= 3 for n in first.output_lens)
     assert make_workload(20, LengthRange(5, 9), LengthRange(1, 3), 50, seed=4, temperature=0.0) != first
+
+
+@pytest.mark.slow
+def test_serve_starts_its_own_service_and_compares_with_offline(model_dir, tmp_path, capsys):
+    report = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", model_dir, "--device", "cpu", "--num-prompts", "6",
+            "--input-len", "3:24", "--output-len", "2:9", "--concurrency", "3", "--json", str(report)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    record = json.loads(report.read_text())
+    total = expected_output_tokens(6)
+    serve, offline = record["serve"], record["offline"]
+    assert serve["completed"] == 6 and serve["failed"] == 0 and serve["output_tokens"] == total
+    assert offline["output_tokens"] == total and offline["requests"] == 6
+    assert record["serve_over_offline"] == pytest.approx(serve["output_tokens_per_s"] / offline["output_tokens_per_s"])
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert 0 <= serve[metric]["p50"] <= serve[metric]["p99"]
+    assert record["load"] == "concurrency 3" and "its own service" in record["served_by"]
+    serve_row = next(line for line in out.splitlines() if line.startswith("pagedq serve"))
+    assert "6/6" in serve_row and str(total) in serve_row
+    assert f"serve / offline output throughput: {record['serve_over_offline']:.2f}x" in out
+
+
+def test_serve_against_nothing_is_a_clear_error(model_dir, capsys):
+    from pagedq.redis_server import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "serve", "--model", model_dir, "--url", url, "--num-prompts", "2", "--no-offline"]) == 1
+    assert f"the service at {url} failed a warm-up request" in capsys.readouterr().err
+

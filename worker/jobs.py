@@ -39,7 +39,7 @@ def generate(**payload: Any) -> dict:
     request = JobPayload.model_validate(payload)
     settings = Settings()
     engine = _process_engine()
-    publisher = ProgressPublisher(settings.stream_ttl_s, settings.progress_interval_s)
+    publisher = ProgressPublisher(job.connection, settings.stream_ttl_s, settings.progress_interval_s)
     started_at = time.time()
 
     with job.connection.pipeline() as pipeline:
@@ -53,17 +53,22 @@ def generate(**payload: Any) -> dict:
         priority=request.priority,
     )
     final = None
-    while final is None:
-        with job.connection.pipeline() as pipeline:
+    try:
+        while final is None:
             for output in engine.step():
                 if output.request_id != job.id:
-                    continue
-                publisher.update(pipeline, job, output)
+                    continue  # the abort of an earlier job that raised (below)
+                publisher.update(job.id, output)
                 if output.finished:
                     final = output
-            pipeline.execute()
-    publisher.forget(job.id)
+            publisher.flush()
+    except BaseException:
+        # A timeout or Redis error: leave the cached engine free for the next job (or a retry of this one).
+        engine.abort_request(job.id)
+        raise
+    finally:
+        publisher.forget(job.id)
 
     # No "end" event here: RQ records the result only after this returns, and the
     # stream relay ends by itself once it sees the job's terminal status.
-    return GenerationResult.from_output(final, request.prompt, request.enqueued_at, started_at).model_dump(mode="json")
+    return GenerationResult.from_output(final, job.id, request.prompt, request.enqueued_at, started_at).model_dump(mode="json")

@@ -1,81 +1,158 @@
-"""Publishes what a running job has produced so far: text deltas to the job's Redis stream
+"""Publishes what running jobs have produced so far: text deltas to each job's Redis stream
 (GET /stream relays them) and the partial result to `job.meta` (GET /result shows it).
 
-Every write goes into a caller's pipeline, so a worker sends one round trip per engine
-step for all its jobs.
+`update()` only records an engine output; `publish()` queues everything recorded since
+the last send into a caller's pipeline as one script call, whatever the number of jobs
+(the batch worker sends it with its own per-step call: one round trip per engine step),
+and `published()` marks it sent. A pipeline that fails (Redis away) changes nothing
+here, so the next one carries the text the failed one missed: a stream never skips text.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
 from pagedq.outputs import RequestOutput
 from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, PROGRESS_META_KEY, JobState, Progress, stream_key
 
+# One round trip for a whole engine step, whatever the number of jobs: on a small model
+# the worker's Redis traffic would otherwise cost as much as the step itself.
+# KEYS: the streams getting a delta, then the job hashes getting a partial result.
+# ARGV: the stream TTL, the number of streams, (text, num_tokens, new) per stream, then the
+# serialized job.meta per job hash. A stream's TTL is set by its first delta (new = 1) and
+# kept by XADD. A meta is written only if its job still exists: a write to a deleted job
+# would recreate its hash.
+_PUBLISH = """
+local ttl, streams = ARGV[1], tonumber(ARGV[2])
+for i = 1, streams do
+    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'text', ARGV[3 * i], 'num_tokens', ARGV[3 * i + 1])
+    if ARGV[3 * i + 2] == '1' then
+        redis.call('EXPIRE', KEYS[i], ttl)
+    end
+end
+for i = streams + 1, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+        redis.call('HSET', KEYS[i], 'meta', ARGV[2 * streams + i + 2])
+    end
+end
+return #KEYS
+"""
+assert EVENT_DELTA == "delta"  # spelled out in the script above
+
+
+def _meta_with(job: Job, progress: Progress) -> bytes:
+    """The job's serialized meta (what job.save_meta() writes) with this progress in it."""
+    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
+    return job.serializer.dumps(job.meta)
+
 
 def write_progress(pipeline: Pipeline, job: Job, progress: Progress) -> None:
-    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
-    # What job.save_meta() writes, but into the pipeline.
-    pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))
+    pipeline.hset(job.key, "meta", _meta_with(job, progress))
 
 
 def read_progress(job: Job) -> Progress:
     return Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
 
 
-def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, **fields: str) -> None:
+def append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: dict[str, str]) -> None:
     key = stream_key(seq_id)
-    pipeline.xadd(key, {"type": EVENT_END, "status": status, **fields})
+    pipeline.xadd(key, fields)
     pipeline.expire(key, stream_ttl_s)
 
 
+def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "") -> None:
+    append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_END, "status": status, "finish_reason": finish_reason})
+
+
+@dataclass
+class _Published:
+    job: Job
+    progress: Progress
+    output: RequestOutput | None = None
+    # How much of the output the stream has.
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    next_progress_at: float = 0.0
+
+
 class ProgressPublisher:
-    def __init__(self, stream_ttl_s: int, progress_interval_s: float):
+    def __init__(self, connection: Redis, stream_ttl_s: int, progress_interval_s: float):
+        self.connection = connection
         self.stream_ttl_s = stream_ttl_s
         self.progress_interval_s = progress_interval_s
-        self._sent_chars: dict[str, int] = {}
-        self._next_progress_at: dict[str, float] = {}
-        self._progress: dict[str, Progress] = {}
+        self._jobs: dict[str, _Published] = {}
+        self._dirty: set[str] = set()
 
     def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int) -> None:
         """Called when a job (re)starts running; records the attempt number."""
         attempt = read_progress(job).attempt + 1
         progress = Progress(prompt_tokens=prompt_tokens, attempt=attempt)
-        self._progress[job.id] = progress
-        self._sent_chars[job.id] = 0
-        self._next_progress_at[job.id] = 0.0
+        self._jobs[job.id] = _Published(job, progress)
+        self._dirty.discard(job.id)
         write_progress(pipeline, job, progress)
         if attempt > 1:
             # A previous attempt died part-way: its deltas are in the stream already.
-            self._xadd(pipeline, job.id, {"type": EVENT_RESET, "attempt": str(attempt)})
+            append_event(pipeline, job.id, self.stream_ttl_s, {"type": EVENT_RESET, "attempt": str(attempt)})
 
-    def update(self, pipeline: Pipeline, job: Job, output: RequestOutput) -> None:
-        completion = output.outputs[0]
-        sent = self._sent_chars[job.id]
-        if len(completion.text) > sent:
-            self._xadd(pipeline, job.id, {"type": EVENT_DELTA, "text": completion.text[sent:]})
-            self._sent_chars[job.id] = len(completion.text)
-
-        progress = self._progress[job.id]
-        progress.text = completion.text
-        progress.token_ids = list(completion.token_ids)
-        if progress.first_token is None and completion.token_ids:
+    def update(self, seq_id: str, output: RequestOutput) -> None:
+        """Record the job's latest (cumulative) output; nothing is sent until flush()."""
+        state = self._jobs[seq_id]
+        state.output = output
+        progress = state.progress
+        if progress.first_token is None and output.outputs[0].token_ids:
             progress.first_token = output.metrics.first_token_time or time.time()
+        self._dirty.add(seq_id)
+
+    def publish(self, pipeline: Pipeline) -> None:
+        """Queue everything recorded since the last published() into `pipeline`, as one
+        script call; call published() once the pipeline has run."""
+        if not self._dirty:
+            return
         now = time.monotonic()
-        # Partial results are rewritten whole, so throttle them; deltas are never throttled.
-        if now >= self._next_progress_at[job.id] and not output.finished:
-            write_progress(pipeline, job, progress)
-            self._next_progress_at[job.id] = now + self.progress_interval_s
+        streams: list[str] = []
+        deltas: list[str | int] = []
+        progress_due: list[_Published] = []
+        for seq_id in self._dirty:
+            state = self._jobs[seq_id]
+            completion = state.output.outputs[0]
+            if len(completion.token_ids) > state.sent_tokens:
+                streams.append(stream_key(seq_id))
+                deltas += [completion.text[state.sent_chars:], len(completion.token_ids), int(state.sent_tokens == 0)]
+            # Partial results are rewritten whole, so they are throttled; deltas never are.
+            if now >= state.next_progress_at and not state.output.finished:
+                state.next_progress_at = now + self.progress_interval_s
+                progress_due.append(state)
+        metas = []
+        for state in progress_due:
+            completion = state.output.outputs[0]
+            state.progress.text = completion.text
+            state.progress.token_ids = list(completion.token_ids)
+            metas.append(_meta_with(state.job, state.progress))
+        keys = [*streams, *(state.job.key for state in progress_due)]
+        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+        pipeline.eval(_PUBLISH, len(keys), *keys, self.stream_ttl_s, len(streams), *deltas, *metas)
+
+    def published(self) -> None:
+        """The pipeline given to publish() ran: what it carried is sent."""
+        for seq_id in self._dirty:
+            state = self._jobs[seq_id]
+            completion = state.output.outputs[0]
+            state.sent_chars = len(completion.text)
+            state.sent_tokens = len(completion.token_ids)
+        self._dirty.clear()
+
+    def flush(self) -> None:
+        """Send everything recorded so far, in one round trip."""
+        with self.connection.pipeline(transaction=False) as pipeline:
+            self.publish(pipeline)
+            pipeline.execute()
+        self.published()
 
     def forget(self, seq_id: str) -> None:
-        self._sent_chars.pop(seq_id, None)
-        self._next_progress_at.pop(seq_id, None)
-        self._progress.pop(seq_id, None)
-
-    def _xadd(self, pipeline: Pipeline, seq_id: str, fields: dict[str, str]) -> None:
-        key = stream_key(seq_id)
-        pipeline.xadd(key, fields)
-        pipeline.expire(key, self.stream_ttl_s)
+        self._jobs.pop(seq_id, None)
+        self._dirty.discard(seq_id)

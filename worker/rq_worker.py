@@ -5,16 +5,27 @@ and death, executions, the started registry, success and failure handling with R
 so `rq info`, `Job.fetch(id).get_status()` and `return_value()` tell the truth, and
 replaces the work loop. One tick:
 
-1. reap: requeue the jobs of workers whose heartbeats stopped (a short TTL, checked often);
-2. admit: move up to the free capacity of job ids off the queue in one script call and
-   mark them started in one transaction (only while the engine has no backlog, so queued
-   jobs stay in Redis for other workers);
-3. check: read every in-flight job's status in one round trip; canceled ones are aborted
-   in the engine (their KV blocks freed at once), and ones no longer ours (reaped after a
-   stall) are dropped so a job never finishes twice;
-4. step the engine once and publish deltas/progress for all jobs in one pipeline;
-   finished jobs go through RQ's success path;
-5. heartbeat all executions in one pipeline.
+1. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
+   checked often), and read the suspension flag;
+2. heartbeat, when due: the worker and every execution, in one pipeline;
+3. step the engine once;
+4. one round trip to Redis (`_sync_with_redis`): every job's new text goes to its stream,
+   the engine stats to the worker's hash, the api's cancel counter comes back, and so do
+   up to the free capacity of new job ids (taken only while the engine has no backlog,
+   so queued jobs stay in Redis for other workers). Jobs no longer ours (canceled,
+   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
+   at once; a job named by RQ's stop-job command fails as STOPPED;
+5. finish completed jobs through RQ's success path;
+6. mark the new jobs started in one transaction and hand them to the engine (or, idle,
+   block on the queue for a second).
+
+Each execution is its own engine request (its id is the request id), so a job that comes
+back to this worker after being requeued can never be confused with its earlier run.
+
+Redis going away: every Redis error is retried a second later, forever; the engine pauses
+(a tick fails at its first Redis call) and what was not yet published or finished is kept
+and sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
+this worker's jobs reaped; after a long one they are requeued and run again, once.
 
 SIGTERM stops admission and lets in-flight jobs finish for `drain_timeout_s`; what is
 left is requeued at the front. A second signal requeues at once.
@@ -31,6 +42,8 @@ from typing import TYPE_CHECKING
 
 import redis.exceptions
 from redis import Redis
+from rq import worker_registration
+from rq.command import parse_payload
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
@@ -38,7 +51,7 @@ from rq.suspension import is_suspended
 from rq.utils import as_text
 from rq.worker import BaseWorker, WorkerStatus
 
-from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload
+from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, cancels_key
 from pagedq.settings import Settings
 from worker.publisher import ProgressPublisher, publish_end
 
@@ -46,27 +59,54 @@ if TYPE_CHECKING:
     from pagedq.engine import LLMEngine
     from pagedq.outputs import RequestOutput
 
-# Moves up to ARGV[1] ids from the queue to its intermediate list (RQ's crash-safe
-# hand-off) in one round trip.
-_TAKE_MANY = """
+# One round trip per tick for what the worker must learn from Redis:
+# 1. the api's cancel counter (see protocol.cancels_key);
+# 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
+#    requeued), run by another worker, or this execution gone from the started registry
+#    (reaped after a stall); their positions, 1-based;
+# 3. up to ARGV[3] new job ids, moved from the queue to its intermediate list (RQ's
+#    crash-safe hand-off).
+# KEYS: the started registry, the queue, its intermediate list, the cancel counter, then
+# the hashes of the jobs to check. ARGV: the started status, this worker's name, how many
+# ids to take, then each checked job's execution composite key.
+_SYNC = """
+local lost = {}
+for i = 5, #KEYS do
+    local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
+    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[1], ARGV[i - 1]) then
+        lost[#lost + 1] = i - 4
+    end
+end
 local taken = {}
-for _ = 1, tonumber(ARGV[1]) do
-    local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+for _ = 1, tonumber(ARGV[3]) do
+    local id = redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT')
     if not id then break end
     taken[#taken + 1] = id
 end
-return taken
+return {redis.call('GET', KEYS[4]) or '0', lost, taken}
 """
-# How long an idle worker blocks waiting for a job before its next heartbeat/reap.
-_IDLE_BLOCK_S = 1.0
+# How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
+_IDLE_WAIT_S = 1.0
+# Pause after a Redis error before the next try.
+_REDIS_RETRY_S = 1.0
+
+
+class JobStopped(Exception):
+    """The job was stopped with RQ's stop-job command."""
 
 
 @dataclass
 class InFlight:
     job: Job
     execution: Execution
-    payload: JobPayload | None = None
-    started_at: float = 0.0
+    payload: JobPayload
+    started_at: float
+    # The engine's final output, kept until RQ has recorded the result.
+    final: RequestOutput | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.execution.id
 
 
 class BatchWorker(BaseWorker):
@@ -83,15 +123,19 @@ class BatchWorker(BaseWorker):
         self.engine = engine
         self.settings = settings
         self.queue = self.queues[0]
+        # By engine request id (= execution id).
         self.inflight: dict[str, InFlight] = {}
-        self.publisher = ProgressPublisher(settings.stream_ttl_s, settings.progress_interval_s)
+        self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
-        self._take_many = connection.register_script(_TAKE_MANY)
+        # Job ids named by stop-job commands; filled by RQ's pubsub thread.
+        self._stop_requests: set[str] = set()
         self._draining = False
         self._drain_deadline = math.inf
         self._suspended = False
         self._next_reap = 0.0
         self._next_heartbeat = 0.0
+        self._next_full_check = 0.0
+        self._cancels_seen = b""
 
     # ---- RQ hooks -------------------------------------------------------------------
 
@@ -109,6 +153,19 @@ class BatchWorker(BaseWorker):
         self.log.warning("Worker %s: second signal, requeueing in-flight jobs now", self.name)
         self._drain_deadline = 0.0
 
+    def handle_payload(self, message) -> None:
+        # RQ routes stop-job only to a worker's single "current" job; we hold many.
+        payload = parse_payload(message)
+        if payload.get("command") == "stop-job":
+            self._stop_requests.add(payload.get("job_id", ""))
+        else:
+            super().handle_payload(message)
+
+    def request_stop_execution(self, execution_id: str) -> None:
+        entry = self.inflight.get(execution_id)
+        if entry is not None:
+            self._stop_requests.add(entry.job.id)
+
     # ---- the loop -------------------------------------------------------------------
 
     def work(self, logging_level: str = "INFO") -> None:  # type: ignore[override]
@@ -119,52 +176,100 @@ class BatchWorker(BaseWorker):
                 try:
                     self._tick()
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                    # Redis restarting: in-flight work goes on once it is back; anything
-                    # half-written is reconciled by the state check and the reaper.
                     self.log.error("Worker %s: Redis unavailable (%s), retrying", self.name, exc)
-                    time.sleep(1.0)
-            self._check_job_states()
+                    # Heartbeats first once it is back, then a look at every job.
+                    self._next_heartbeat = self._next_full_check = 0.0
+                    time.sleep(_REDIS_RETRY_S)
+            self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
         finally:
             self.teardown()
 
     def _tick(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_reap:
+        if time.monotonic() >= self._next_reap:
             self._reap()
-            self._next_reap = now + self.settings.reaper_interval_s
-        if not self._draining:
-            self._admit()
-        if self.inflight:
-            self._check_job_states()
-        if self.engine.has_unfinished_requests():
-            self._step()
         if time.monotonic() >= self._next_heartbeat:
             self._heartbeat()
+        if self.engine.has_unfinished_requests():
+            self._step()
+        # After the step: its deltas go out, and jobs it finished are checked before RQ records them.
+        taken = self._sync_with_redis()
+        self._finish_jobs()
+        if taken:
+            self._start_jobs(taken)
+        elif not self.engine.has_unfinished_requests():
+            self._wait_for_work()
 
     def _reap(self) -> None:
         """Requeue (or fail, when out of retries) the jobs of workers that stopped beating."""
         self.queue.started_job_registry.cleanup()
-        self._suspended = is_suspended(self.connection)
+        suspended = bool(is_suspended(self.connection))
+        if suspended != self._suspended:
+            self._suspended = suspended
+            self._next_heartbeat = 0.0  # show the new state now
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
+        self._next_reap = time.monotonic() + self.settings.reaper_interval_s
 
-    # ---- admission ------------------------------------------------------------------
+    # ---- admission and in-flight checks --------------------------------------------
 
-    def _admit(self) -> None:
-        free = self.capacity - len(self.inflight)
-        if free <= 0 or self._suspended or self.engine.stats().get("num_waiting", 0) > 0:
+    def _sync_with_redis(self, admit: bool = True, full: bool = False) -> list[str]:
+        """One round trip: publish the step's deltas, drop the jobs no longer ours, and
+        take new job ids (while admitting: capacity left and no backlog in the engine, so
+        queued jobs stay in Redis for other workers). Then stop those asked to stop.
+
+        Every in-flight job is checked when the api's cancel counter moved (so a cancel
+        aborts its job before the next engine step), every reaper interval (cancels made
+        through RQ directly), and after a Redis outage; in between only the jobs about to
+        be finished are, so a job reaped after a stall and rerun elsewhere never finishes
+        here too."""
+        entries = list(self.inflight.values())
+        full = full or time.monotonic() >= self._next_full_check
+        take = 0
+        if admit and not self._draining and not self._suspended and self.engine.stats()["num_waiting"] == 0:
+            take = max(0, self.capacity - len(entries))
+        checked = entries if full else [entry for entry in entries if entry.final is not None]
+        cancels, lost, taken = self._redis_sync(checked, take, publish=True)
+        if not full and cancels != self._cancels_seen:
+            _, lost, _ = self._redis_sync(entries, 0)
+            full = True
+        self._cancels_seen = cancels
+        if full:
+            self._next_full_check = time.monotonic() + self.settings.reaper_interval_s
+        if lost:
+            self._drop(lost)
+        if self._stop_requests:
+            self._stop_jobs()
+        return taken
+
+    def _redis_sync(
+        self, checked: list[InFlight], take: int, publish: bool = False
+    ) -> tuple[bytes, list[InFlight], list[str]]:
+        keys = [self.queue.started_job_registry.key, self.queue.key, self.queue.intermediate_queue_key,
+                cancels_key(self.queue.name), *(entry.job.key for entry in checked)]
+        args = [JobStatus.STARTED.value, self.name, take, *(entry.execution.composite_key for entry in checked)]
+        with self.connection.pipeline(transaction=False) as pipeline:
+            if publish:
+                self.publisher.publish(pipeline)
+                self._publish_engine_stats(pipeline)
+            # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+            pipeline.eval(_SYNC, len(keys), *keys, *args)
+            cancels, lost_positions, taken = pipeline.execute()[-1]
+        if publish:
+            self.publisher.published()
+        return cancels, [checked[position - 1] for position in lost_positions], [as_text(i) for i in taken]
+
+    def _wait_for_work(self) -> None:
+        """Idle: block on the queue for a while (or just wait, when not admitting)."""
+        if self._draining or self._suspended or len(self.inflight) >= self.capacity:
+            time.sleep(_IDLE_WAIT_S)
             return
-        ids = [as_text(i) for i in self._take_many(keys=[self.queue.key, self.queue.intermediate_queue_key], args=[free])]
-        if not ids and not self.engine.has_unfinished_requests():
-            first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_BLOCK_S)
-            ids = [as_text(first)] if first is not None else []
-        if ids:
-            self._start_jobs(ids)
+        first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
+        if first is not None:
+            self._start_jobs([as_text(first)])
 
     def _start_jobs(self, ids: list[str]) -> None:
         """Mark the taken jobs started in one transaction, then hand them to the engine."""
-        started: list[InFlight] = []
         with self.connection.pipeline() as pipeline:
             while True:
                 try:
@@ -172,74 +277,67 @@ class BatchWorker(BaseWorker):
                     pipeline.watch(*(Job.key_for(i) for i in ids))
                     jobs = Job.fetch_many(ids, self.connection, serializer=self.serializer)
                     pipeline.multi()
-                    started = []
+                    started: list[tuple[Job, Execution]] = []
                     for job_id, job in zip(ids, jobs):
                         pipeline.lrem(self.queue.intermediate_queue_key, 1, job_id)
                         if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
                             continue  # deleted or canceled while in transit
                         execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
                         job.prepare_for_execution(self.name, pipeline)
-                        started.append(InFlight(job=job, execution=execution))
+                        started.append((job, execution))
                     self.set_state(WorkerStatus.BUSY, pipeline)
                     pipeline.execute()
                     break
                 except redis.exceptions.WatchError:
                     continue
-        for entry in started:
-            self.executions[entry.execution.id] = entry.execution
-            self._hand_to_engine(entry)
+        with self.connection.pipeline(transaction=False) as pipeline:
+            for job, execution in started:
+                self.executions[execution.id] = execution
+                self._hand_to_engine(job, execution, pipeline)
+            pipeline.execute()
 
-    def _hand_to_engine(self, entry: InFlight) -> None:
-        job = entry.job
+    def _hand_to_engine(self, job: Job, execution: Execution, pipeline) -> None:
         try:
             if job.func_name != JOB_FUNCTION:
                 raise ValueError(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
-            entry.payload = JobPayload.model_validate(job.kwargs)
+            payload = JobPayload.model_validate(job.kwargs)
             self.engine.add_request(
-                job.id,
-                {"prompt_token_ids": entry.payload.prompt_token_ids},
-                entry.payload.sampling,
-                arrival_time=entry.payload.enqueued_at,
-                priority=entry.payload.priority,
+                execution.id,
+                {"prompt_token_ids": payload.prompt_token_ids},
+                payload.sampling,
+                arrival_time=payload.enqueued_at,
+                priority=payload.priority,
             )
         except Exception:
             job.retries_left = 0  # bad input fails the same way on every attempt
-            self._finalize_failure(job, self.queue, entry.execution, sys.exc_info())
+            self._finalize_failure(job, self.queue, execution, sys.exc_info())
             return
-        entry.started_at = time.time()
-        self.inflight[job.id] = entry
-        with self.connection.pipeline(transaction=False) as pipeline:
-            self.publisher.start(pipeline, job, prompt_tokens=len(entry.payload.prompt_token_ids))
-            pipeline.execute()
+        self.inflight[execution.id] = InFlight(job, execution, payload, started_at=time.time())
+        self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids))
 
-    # ---- in-flight checks -----------------------------------------------------------
-
-    def _check_job_states(self) -> None:
-        ids = list(self.inflight)
-        if not ids:
-            return
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for job_id in ids:
-                pipeline.hmget(Job.key_for(job_id), "status", "worker_name")
-            states = pipeline.execute()
-        gone = [
-            job_id
-            for job_id, (status, worker_name) in zip(ids, states)
-            if as_text(status) != JobStatus.STARTED or as_text(worker_name) != self.name
-        ]
-        if not gone:
-            return
-        # Canceled, deleted, or reaped and requeued after a stall: the job is no longer
-        # ours to finish. Aborting frees its KV blocks now.
-        self.engine.abort_request(gone)
+    def _drop(self, lost: list[InFlight]) -> None:
+        """Canceled, deleted, or reaped and requeued after a stall: no longer ours to
+        finish. Aborting frees their KV blocks now."""
+        self._forget(lost)
         with self.connection.pipeline() as pipeline:
-            for job_id in gone:
-                entry = self.inflight.pop(job_id)
-                self.publisher.forget(job_id)
+            for entry in lost:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
+            self._publish_engine_stats(pipeline)  # the freed blocks, now
             pipeline.execute()
-        self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(gone))
-        self._next_heartbeat = 0.0  # publish the freed blocks promptly
+        self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))
+
+    def _stop_jobs(self) -> None:
+        requested, self._stop_requests = self._stop_requests, set()
+        for entry in [entry for entry in self.inflight.values() if entry.job.id in requested]:
+            self._forget([entry])
+            self._stopped_job_id = entry.job.id  # RQ then marks it STOPPED, never retried
+            self._finalize_failure(entry.job, self.queue, entry.execution, (JobStopped, JobStopped("stopped by request"), None))
+
+    def _forget(self, entries: list[InFlight]) -> None:
+        self.engine.abort_request([entry.request_id for entry in entries])
+        for entry in entries:
+            del self.inflight[entry.request_id]
+            self.publisher.forget(entry.job.id)
 
     # ---- engine step ----------------------------------------------------------------
 
@@ -249,39 +347,42 @@ class BatchWorker(BaseWorker):
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
-        finished: list[tuple[InFlight, RequestOutput]] = []
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for output in outputs:
-                entry = self.inflight.get(output.request_id)
-                if entry is None:
-                    continue  # aborted this tick
-                self.publisher.update(pipeline, entry.job, output)
-                if output.finished:
-                    finished.append((entry, output))
-            pipeline.execute()
-        for entry, output in finished:
-            self._finish(entry, output)
+        for output in outputs:
+            entry = self.inflight.get(output.request_id)
+            if entry is None:
+                continue  # dropped before this step
+            self.publisher.update(entry.job.id, output)
+            if output.finished:
+                entry.final = output
 
-    def _finish(self, entry: InFlight, output: RequestOutput) -> None:
-        job = entry.job
-        del self.inflight[job.id]
-        self.publisher.forget(job.id)
-        assert entry.payload is not None
-        result = GenerationResult.from_output(output, entry.payload.prompt, entry.payload.enqueued_at, entry.started_at)
-        self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
-        # After RQ has recorded the result, so a client that sees "end" can read it.
+    def _finish_jobs(self) -> None:
+        """Record finished jobs' results through RQ, then tell their streams (after the
+        results, so a client that sees "end" can read them)."""
+        finished = [entry for entry in self.inflight.values() if entry.final is not None]
+        if not finished:
+            return
+        ends = [self._finish(entry) for entry in finished]
         with self.connection.pipeline(transaction=False) as pipeline:
-            publish_end(pipeline, job.id, "finished", self.settings.stream_ttl_s, finish_reason=result.finish_reason or "")
+            for seq_id, finish_reason in ends:
+                publish_end(pipeline, seq_id, "finished", self.settings.stream_ttl_s, finish_reason=finish_reason)
             pipeline.execute()
+
+    def _finish(self, entry: InFlight) -> tuple[str, str]:
+        job = entry.job
+        payload = entry.payload
+        result = GenerationResult.from_output(entry.final, job.id, payload.prompt, payload.enqueued_at, entry.started_at)
+        self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
+        del self.inflight[entry.request_id]
+        self.publisher.forget(job.id)
+        return job.id, result.finish_reason or ""
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
         (RQ requeues those with retries left)."""
         self.log.error("Worker %s: engine step failed", self.name, exc_info=exc_info)
-        self.engine.abort_request(list(self.inflight))
-        for job_id, entry in list(self.inflight.items()):
-            del self.inflight[job_id]
-            self.publisher.forget(job_id)
+        entries = list(self.inflight.values())
+        self._forget(entries)
+        for entry in entries:
             self._finalize_failure(entry.job, self.queue, entry.execution, exc_info)
 
     # ---- heartbeats and shutdown ----------------------------------------------------
@@ -293,23 +394,38 @@ class BatchWorker(BaseWorker):
             self.heartbeat(ttl, pipeline=pipeline)
             for entry in self.inflight.values():
                 entry.execution.heartbeat(registry, ttl, pipeline)
-            self.set_state(WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE, pipeline)
-            # Lets /ready and tests see the engine's block accounting.
-            pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
-            pipeline.execute()
+            state = WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE
+            self.set_state(state, pipeline)
+            self._publish_engine_stats(pipeline)
+            created = pipeline.execute()[0]
+            if created:
+                # Our hash expired while Redis was away (or was lost with it): without its
+                # other fields and registration, nobody would count this worker.
+                pipeline.hset(self.key, mapping=self.serialize())
+                worker_registration.register(self, pipeline)
+                pipeline.expire(self.key, ttl)
+                pipeline.execute()
         self._next_heartbeat = time.monotonic() + ttl / 3
+
+    def _publish_engine_stats(self, pipeline) -> None:
+        """The engine's block accounting in the worker's hash, for /ready (and tests).
+        Sent with every step's round trip, so it is at most one step old."""
+        pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
 
     def _requeue_inflight(self) -> None:
         if not self.inflight:
             return
         self.log.info("Worker %s: requeueing %d unfinished jobs", self.name, len(self.inflight))
-        self.engine.abort_request(list(self.inflight))
+        entries = list(self.inflight.values())
+        self._forget(entries)
         with self.connection.pipeline() as pipeline:
-            for entry in self.inflight.values():
+            for entry in entries:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
-                self.queue.enqueue_job(entry.job, pipeline=pipeline, at_front=True)
             pipeline.execute()
-        self.inflight.clear()
+        # One at a time (enqueue_job opens its own transaction), last first, so they
+        # stand at the queue's front in the order they came.
+        for entry in reversed(entries):
+            self.queue.enqueue_job(entry.job, at_front=True)
 
 
 def run_worker(settings: Settings) -> None:

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -25,11 +21,6 @@ from pagedq.settings import Settings
 
 if TYPE_CHECKING:
     from pagedq.client import Client
-
-CACHE_DIR = Path(os.environ.get("PAGEDQ_CACHE_DIR", Path.home() / ".cache" / "pagedq"))
-_READY_TIMEOUT_S = 300.0
-_STOP_TIMEOUT_S = 20.0
-
 
 def register(subparsers) -> None:
     up = subparsers.add_parser("up", help="run Redis, the api and a worker on this machine (the quick start)")
@@ -130,27 +121,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_model_dir() -> Path:
-    """A tiny random checkpoint, made once: enough to see the service work end to end."""
-    path = CACHE_DIR / "tiny-llama"
-    if not (path / "config.json").is_file():
-        from pagedq.tiny_model import make_tiny_model
-
-        print(f"pagedq: no --model given; writing a tiny random checkpoint to {path}", file=sys.stderr)
-        make_tiny_model(path, "llama")
-    return path
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from pagedq.redis_server import redis_url_or_start
+    from pagedq.local_service import LocalService, StartupFailed, default_model_dir
 
     settings = _settings(args)
     if args.workers < 1:
         raise CommandError("--workers must be at least 1")
     if not settings.model:
-        settings = settings.with_overrides(model=str(default_model_dir()))
-    redis_url, redis_server = redis_url_or_start(settings.redis_url, CACHE_DIR / "redis")
-    settings = settings.with_overrides(redis_url=redis_url)
+        settings = settings.with_overrides(model=str(default_model_dir(settings.cache_dir)))
     stop_requested = False
 
     def request_stop(signum, frame) -> None:
@@ -159,60 +137,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    env = {**os.environ, **settings.to_env()}
-    # Own sessions: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-    children = [
-        subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env=env, start_new_session=True)
-        for role in ["api"] + ["worker"] * args.workers
-    ]
+    service = LocalService(settings, workers=args.workers)
     try:
-        if not _wait_until_ready(settings, children, lambda: stop_requested):
-            return 1 if not stop_requested else 0
-        print(f"pagedq is up: {settings.base_url}  (docs: {settings.base_url}/docs; Ctrl-C stops)", flush=True)
+        service.start(stopping=lambda: stop_requested)
+        if stop_requested:
+            return 0
+        base_url = service.settings.base_url
+        print(f"pagedq is up: {base_url}  (docs: {base_url}/docs; Ctrl-C stops)", flush=True)
         while not stop_requested:
-            if any(child.poll() is not None for child in children):
-                print("pagedq: a child process exited; stopping", file=sys.stderr)
-                return 1
+            service.check_children()
             time.sleep(0.2)
         return 0
+    except StartupFailed as exc:
+        raise CommandError(str(exc)) from None
     finally:
-        _stop_children(children)
-        if redis_server is not None:
-            redis_server.stop()
-
-
-def _wait_until_ready(settings: Settings, children: list[subprocess.Popen], stopping) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while not stopping():
-        if any(child.poll() is not None for child in children):
-            print("pagedq: a child process exited during start-up", file=sys.stderr)
-            return False
-        try:
-            if httpx.get(f"{settings.base_url}/ready", timeout=2).status_code == 200:
-                return True
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            print(f"pagedq: not ready after {_READY_TIMEOUT_S:.0f}s", file=sys.stderr)
-            return False
-        time.sleep(0.25)
-    return False
-
-
-def _stop_children(children: list[subprocess.Popen]) -> None:
-    # Workers first (they requeue what they cannot finish), then the api.
-    for child in reversed(children):
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_TIMEOUT_S
-    for child in reversed(children):
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        service.stop()
 
 
 # ---- client -------------------------------------------------------------------------

@@ -1,0 +1,267 @@
+"""`pagedq bench serve`: the bench workload through the HTTP service (POST /generate, then
+GET /stream for each request), at a fixed concurrency or Poisson arrivals, as `vllm bench
+serve` measures it: request and output-token throughput, TTFT, TPOT and inter-token latency.
+
+Without `--url` it starts its own service (Redis, api, one worker) on this machine, and
+stops it before running pagedq's offline engine on the same workload (unless
+`--no-offline`), so the ratio serve / offline says what the HTTP + Redis path costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import ssl
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedq.bench.latency import RequestTiming, summarize
+from pagedq.bench.offline import add_model_arguments
+from pagedq.bench.workload import Workload, add_workload_arguments, positive_int, workload_from_args
+from pagedq.cli import CommandError
+from pagedq.client import SSEParser
+
+WARMUP_REQUESTS = 2
+WARMUP_OUTPUT_LEN = 4
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    add_workload_arguments(parser)
+    parser.add_argument("--url", help="a running pagedq api serving --model (default: start one here)")
+    parser.add_argument("--api-key", help="bearer key for --url")
+    load = parser.add_argument_group("load (default: every request at once, i.e. saturation)")
+    load = load.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=positive_int, help="at most this many requests in flight")
+    load.add_argument("--request-rate", type=positive_float, metavar="PER_S", help="Poisson arrivals at this rate")
+    parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run pagedq's offline engine on the same workload and print the ratio (default on)")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
+
+
+# ---- the client side ----------------------------------------------------------------
+
+
+async def _one_request(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, temperature: float, timing: RequestTiming
+) -> None:
+    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    timing.sent = time.perf_counter()
+    try:
+        response = await client.post("/generate", json=body)
+        if response.status_code != 202:
+            timing.error = f"POST /generate: HTTP {response.status_code}: {response.text[:200]}"
+            return
+        seq_id = response.json()["seq_id"]
+        parser = SSEParser()
+        async with client.stream("GET", f"/stream/{seq_id}") as stream:
+            if stream.status_code != 200:
+                timing.error = f"GET /stream: HTTP {stream.status_code}"
+                return
+            async for line in stream.aiter_lines():
+                frame = parser.feed(line)
+                if frame is None:
+                    continue
+                event, data, _ = frame
+                if event == "delta" and data["num_tokens"] > timing.output_tokens:
+                    timing.chunk_arrivals.append(time.perf_counter())
+                    timing.output_tokens = data["num_tokens"]
+                elif event == "reset":  # the job was retried on another worker: it starts over
+                    timing.chunk_arrivals.clear()
+                    timing.output_tokens = 0
+                elif event == "end":
+                    if data["status"] != "finished":
+                        timing.error = f"job {seq_id} ended {data['status']}"
+                    else:
+                        timing.finished = time.perf_counter()
+                    return
+        timing.error = f"job {seq_id}: the stream ended without an end event"
+    except httpx.HTTPError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+
+
+async def _run_load(
+    base_url: str, api_key: str | None, workload: Workload, concurrency: int | None, request_rate: float | None
+) -> tuple[list[RequestTiming], float]:
+    timings = [RequestTiming(sent=0.0) for _ in workload.prompts]
+    gate = asyncio.Semaphore(concurrency or len(timings))
+    arrivals = random.Random(workload.seed)
+    # One client (one keep-alive connection) per request in flight: a single pool of many
+    # connections spends more CPU on its bookkeeping than on the requests (quadratic in
+    # the connections), which would be measured as the service's latency.
+    client_options = {
+        "base_url": base_url,
+        "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
+        "timeout": httpx.Timeout(30.0, read=None),
+        "verify": ssl.create_default_context(),  # made once: each client would load the CA bundle
+    }
+    idle: list[httpx.AsyncClient] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def gated(index: int) -> None:
+        async with gate:
+            if not idle:
+                clients.append(httpx.AsyncClient(**client_options))
+                idle.append(clients[-1])
+            client = idle.pop()
+            try:
+                await _one_request(
+                    client, workload.prompts[index], workload.output_lens[index], workload.temperature, timings[index]
+                )
+            finally:
+                idle.append(client)
+
+    try:
+        start = time.perf_counter()
+        tasks = []
+        for index in range(len(timings)):
+            if request_rate is not None and index:
+                await asyncio.sleep(arrivals.expovariate(request_rate))
+            tasks.append(asyncio.create_task(gated(index)))
+        await asyncio.gather(*tasks)
+        return timings, time.perf_counter() - start
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+def measure_service(base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace) -> dict:
+    """Warm the service up (not timed), then run the workload; latency.summarize()'s dict."""
+    warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None))
+    failed = [t.error for t in warmup if not t.ok]
+    if failed:
+        raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
+    timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate))
+    summary = summarize(timings, duration)
+    summary["errors"] = sorted({t.error for t in timings if t.error})
+    return summary
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def _own_service_settings(args: argparse.Namespace, workload: Workload, cache_dir: Path):
+    from pagedq.redis_server import free_port
+    from pagedq.settings import Settings
+
+    # Explicit values win over any PAGEDQ_* variables in the environment (a key would lock us out).
+    return Settings(
+        model=args.model, device=args.device, dtype=args.dtype, port=free_port(), cache_dir=cache_dir,
+        redis_url=None, api_keys=[], max_queue_depth=max(workload.num_requests, WARMUP_REQUESTS),
+    )
+
+
+def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
+    """The service's numbers, and where they came from."""
+    if args.url:
+        return measure_service(args.url.rstrip("/"), args.api_key, workload, args), args.url
+    from pagedq.local_service import LocalService, StartupFailed
+
+    with tempfile.TemporaryDirectory(prefix="pagedq-bench-serve-") as tmp:
+        log_path = Path(tmp) / "service.log"
+        with open(log_path, "w") as log:
+            service = LocalService(_own_service_settings(args, workload, Path(tmp)), log=log)
+            try:
+                service.start()
+            except StartupFailed as exc:
+                raise CommandError(f"{exc}; its log:\n{log_path.read_text()[-4000:]}") from None
+            try:
+                summary = measure_service(service.settings.base_url, None, workload, args)
+            finally:
+                service.stop()
+    return summary, "its own service on this machine: Redis, `pagedq api`, one `pagedq worker`"
+
+
+def _ms(summary: dict, metric: str, stat: str) -> str:
+    values = summary.get(metric)
+    return f"{values[stat]:.1f}" if values else "-"
+
+
+def serve_table(serve: dict, offline: dict | None) -> str:
+    from pagedq.bench.report import format_table
+
+    header = ["run", "requests", "output tokens", "seconds", "req/s", "output tok/s",
+              "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99"]
+    rows = [[
+        "pagedq serve (HTTP + Redis)", f"{serve['completed']}/{serve['requests']}", str(serve["output_tokens"]),
+        f"{serve['duration_s']:.2f}", f"{serve['request_throughput']:.2f}", f"{serve['output_tokens_per_s']:.1f}",
+        *(_ms(serve, metric, stat) for metric in ("ttft_ms", "tpot_ms", "itl_ms") for stat in ("p50", "p99")),
+    ]]
+    if offline is not None:
+        rows.append([
+            "pagedq offline (LLM.generate)", f"{offline['requests']}/{offline['requests']}", str(offline["output_tokens"]),
+            f"{offline['seconds']:.2f}", f"{offline['requests'] / offline['seconds']:.2f}",
+            f"{offline['output_tokens_per_s']:.1f}", *["-"] * 6,
+        ])
+    return format_table(header, rows) + "\n(latencies in ms)"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedq.bench.pagedq_peer import PagedqPeer
+    from pagedq.bench.peer import measure
+    from pagedq.bench.report import device_description, model_description, versions, write_json
+    from pagedq.model_info import context_length, load_hf_config
+    from worker.engine_factory import torch_threads
+    from worker.model_runner import resolve_device, resolve_dtype
+
+    try:
+        hf_config = load_hf_config(args.model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        workload = workload_from_args(args, hf_config.vocab_size, context_length(hf_config))
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    load = (f"concurrency {args.concurrency}" if args.concurrency
+            else f"Poisson {args.request_rate}/s" if args.request_rate else "all requests at once")
+    print(f"model {args.model}; {workload.num_requests} requests, input {workload.input_len}, output "
+          f"{workload.output_len}, {'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, "
+          f"ignore_eos; load: {load}", flush=True)
+
+    serve, served_by = _serve(args, workload)
+    print(f"served by {served_by}", flush=True)
+    offline = None
+    if args.offline:
+        # The worker's thread count (see worker.engine_factory), so the ratio isolates the HTTP + Redis path.
+        threads = torch_threads(_own_service_settings(args, workload, Path()), device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        offline = measure(PagedqPeer(args.model, device, dtype, args.seed), workload, device, progress=False).summary()
+        offline["torch_threads"] = torch.get_num_threads()
+
+    print()
+    print(serve_table(serve, offline))
+    ratio = serve["output_tokens_per_s"] / offline["output_tokens_per_s"] if offline else None
+    if ratio is not None:
+        print(f"\nserve / offline output throughput: {ratio:.2f}x")
+    if args.json:
+        write_json(args.json, args, {
+            "device": device_description(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "versions": versions(),
+            "model": model_description(args.model, hf_config),
+            "workload": workload.summary(),
+            "load": load,
+            "served_by": served_by,
+            "serve": serve,
+            "offline": offline,
+            "serve_over_offline": ratio,
+        })
+    for error in serve["errors"]:
+        print(f"FAILED: {error}")
+    return 1 if serve["failed"] else 0

@@ -1,0 +1,112 @@
+"""The whole service on this machine: Redis (unless one is given), the api and workers, as
+child processes. `pagedq up` runs it until Ctrl-C; `pagedq bench serve` runs it around a
+measurement.
+
+Children get the resolved settings through the `PAGEDQ_*` environment and their own
+sessions, so a terminal's Ctrl-C reaches only the parent, which stops them in order:
+workers first (they requeue what they cannot finish), then the api, then Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from pagedq.redis_server import RedisServer, redis_url_or_start
+from pagedq.settings import Settings
+
+_STOP_TIMEOUT_S = 20.0
+
+
+class StartupFailed(RuntimeError):
+    pass
+
+
+class LocalService:
+    def __init__(self, settings: Settings, workers: int = 1, log: IO | None = None):
+        """`log`: where the children's output goes (default: this process's stdout/stderr)."""
+        settings.require_model()
+        self.settings = settings
+        self.workers = workers
+        self.log = log
+        self.redis_server: RedisServer | None = None
+        self.children: list[subprocess.Popen] = []
+
+    def start(self, ready_timeout_s: float = 300.0, stopping: Callable[[], bool] = lambda: False) -> LocalService:
+        """Start everything and wait until GET /ready answers 200. StartupFailed (after
+        stopping what did start) when a child exits or time runs out; `stopping()` true
+        gives up quietly."""
+        try:
+            redis_url, self.redis_server = redis_url_or_start(self.settings.redis_url, self.settings.cache_dir / "redis")
+            self.settings = self.settings.with_overrides(redis_url=redis_url)
+            env = {**os.environ, **self.settings.to_env()}
+            output = {"stdout": self.log, "stderr": subprocess.STDOUT} if self.log is not None else {}
+            self.children = [
+                subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env=env, start_new_session=True, **output)
+                for role in ["api"] + ["worker"] * self.workers
+            ]
+            self._wait_until_ready(ready_timeout_s, stopping)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_ready(self, timeout_s: float, stopping: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not stopping():
+            self.check_children()
+            try:
+                if httpx.get(f"{self.settings.base_url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise StartupFailed(f"the service was not ready after {timeout_s:.0f}s")
+            time.sleep(0.25)
+
+    def check_children(self) -> None:
+        for child in self.children:
+            if child.poll() is not None:
+                raise StartupFailed(f"`pagedq {child.args[-1]}` exited with status {child.returncode}")
+
+    def stop(self) -> None:
+        # Workers first (they requeue what they cannot finish), then the api.
+        for child in reversed(self.children):
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for child in reversed(self.children):
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self.children = []
+        if self.redis_server is not None:
+            self.redis_server.stop()
+            self.redis_server = None
+
+    def __enter__(self) -> LocalService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def default_model_dir(cache_dir: Path) -> Path:
+    """A tiny random checkpoint, made once: enough to see the service work end to end."""
+    path = cache_dir / "tiny-llama"
+    if not (path / "config.json").is_file():
+        from pagedq.tiny_model import make_tiny_model
+
+        print(f"pagedq: no --model given; writing a tiny random checkpoint to {path}", file=sys.stderr)
+        make_tiny_model(path, "llama")
+    return path

@@ -1,0 +1,131 @@
+"""Real processes for the service tests: a redis-server per module (pagedq.redis_server,
+AOF on), the api served by real uvicorn in a thread, and `pagedq worker` subprocesses
+that tests may SIGKILL or SIGTERM. Nothing is mocked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+import uvicorn
+
+from api.app import create_app
+from rq.suspension import suspend
+
+from pagedq import LLM, SamplingParams
+from pagedq.redis_server import free_port
+from pagedq.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def service_settings(model: Path, redis_url: str, tmp: Path, **overrides: Any) -> Settings:
+    """Settings for a test service; every value that matters is explicit (PAGEDQ_* in the
+    environment cannot change a test), heartbeats short so recovery tests stay short."""
+    values = dict(
+        model=str(model), redis_url=redis_url, cache_dir=tmp, port=free_port(), device="cpu", api_keys=[],
+        heartbeat_ttl_s=6, reaper_interval_s=0.5, progress_interval_s=0.05, torch_threads=1,
+    )
+    return Settings(**{**values, **overrides})
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class ApiServer:
+    """The real app under real uvicorn, in a thread of the test process."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        # log_config=None: uvicorn's records propagate, so tests can read them (API keys must not be there).
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_config=None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def start(self) -> ApiServer:
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "uvicorn to start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class WorkerProcess:
+    """`pagedq worker` as a child process, configured through the PAGEDQ_* environment."""
+
+    def __init__(self, settings: Settings, log_path: Path):
+        self.log_path = log_path
+        env = {**os.environ, **settings.to_env()}
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pagedq.cli", "worker"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+
+
+def ready_workers(api_url: str) -> list[dict]:
+    response = httpx.get(f"{api_url}/ready", timeout=10)
+    return response.json()["workers"] if response.status_code == 200 else []
+
+
+def wait_for_worker(api_url: str, name_not_in: set[str] = frozenset(), timeout_s: float = 90) -> dict:
+    """A live worker (per GET /ready) whose name is not in `name_not_in`."""
+    return wait_until(
+        lambda: next((w for w in ready_workers(api_url) if w["name"] not in name_not_in), None),
+        timeout_s, "a worker to register",
+    )
+
+
+def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
+    """What pagedq's offline engine generates for these request bodies (token ids), with the
+    worker's thread count so float reductions happen in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(model=str(model), device="cpu")
+        prompts = [
+            {"prompt_token_ids": body["prompt_token_ids"]} if "prompt_token_ids" in body else body["prompt"]
+            for body in requests
+        ]
+        params = [
+            SamplingParams(**{key: value for key, value in body.items() if key in SamplingParams.model_fields})
+            for body in requests
+        ]
+        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def suspend_workers(redis, api_url: str) -> None:
+    """`rq suspend`, then wait until the worker says it has stopped taking jobs."""
+    suspend(redis)
+    wait_until(lambda: {w["state"] for w in ready_workers(api_url)} == {"suspended"}, 10, "the worker to suspend")

@@ -1,0 +1,219 @@
+"""The HTTP api against a real redis-server under real uvicorn, with no worker: input
+checking (every bad request gets a 4xx with a JSON message), auth, limits, idempotency,
+cancel of a queued job, and Redis going away (503, then recovery)."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+from redis import Redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import ApiServer, service_settings
+
+pytestmark = pytest.mark.slow
+KEY = "test-key-8f3a1c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def api(model, redis_server, tmp_path_factory):
+    settings = service_settings(
+        model, redis_server.url, tmp_path_factory.mktemp("api"), api_keys=[KEY], max_body_bytes=4096,
+        max_prompt_tokens=200, queue_name="api-tests",
+    )
+    server = ApiServer(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(api):
+    with httpx.Client(base_url=api.url, headers=AUTH, timeout=10) as client:
+        yield client
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error", "message"}
+    for fragment in fragments:
+        assert fragment in body["message"], body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragments"),
+    [
+        ('{"prompt": "hi", ', 400, ["malformed JSON"]),
+        ("[1, 2]", 422, ["dictionary"]),
+        ({"prompt": 5}, 422, ["prompt"]),
+        ({"prompt": "hi", "max_tokens": "7"}, 422, ["max_tokens"]),
+        ({"prompt": "hi", "temprature": 0.5}, 422, ["temprature", "Extra inputs"]),
+        ({"prompt": "hi", "max_tokens": -1}, 422, ["max_tokens", "greater than or equal to 1"]),
+        ({"prompt": "hi", "top_p": 0}, 422, ["top_p"]),
+        ({"prompt": "hi", "n": 2}, 422, ["n: the service returns one completion"]),
+        ({}, 422, ["exactly one of prompt or prompt_token_ids"]),
+        ({"prompt": "hi", "prompt_token_ids": [1]}, 422, ["exactly one"]),
+        ({"prompt": ""}, 422, ["non-empty"]),
+        ({"prompt_token_ids": [1, 512]}, 422, ["prompt_token_ids", "[0, 512)"]),
+        ({"prompt": "hi", "stop_token_ids": [9999]}, 422, ["stop_token_ids", "[0, 512)"]),
+        ({"prompt_token_ids": [5] * 201}, 422, ["201 tokens", "limit of 200"]),
+        ({"prompt_token_ids": [5] * 100, "max_tokens": 1000}, 422, ["context length of 1024"]),
+        ({"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 422, ["min_tokens"]),
+    ],
+)
+def test_bad_requests_get_4xx_with_a_message(client, body, status, fragments):
+    if isinstance(body, str):
+        response = client.post("/generate", content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = client.post("/generate", json=body)
+    assert_error(response, status, *fragments)
+
+
+def test_oversized_bodies_get_413_declared_or_streamed(client):
+    big = {"prompt": "x" * 5000}
+    assert_error(client.post("/generate", json=big), 413, "larger than the limit of 4096 bytes")
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    response = client.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert_error(response, 413, "larger than the limit")
+
+
+def test_auth_is_required_and_keys_stay_out_of_the_logs(api, caplog):
+    caplog.set_level(logging.DEBUG)
+    with httpx.Client(base_url=api.url, timeout=10) as anonymous:
+        assert_error(anonymous.post("/generate", json={"prompt": "hi"}), 401, "missing API key")
+        wrong = {"Authorization": "Bearer not-the-key"}
+        assert_error(anonymous.post("/generate", json={"prompt": "hi"}, headers=wrong), 401, "invalid API key")
+        assert_error(anonymous.get("/result/abc", headers=wrong), 401)
+        assert_error(anonymous.delete("/result/abc", headers={"Authorization": "Basic x"}), 401)
+        assert_error(anonymous.get("/stream/abc"), 401)
+        # Liveness and readiness need no key.
+        assert anonymous.get("/health").json() == {"status": "ok"}
+        assert anonymous.get("/docs").status_code == 200
+        accepted = anonymous.post("/generate", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH)
+        assert accepted.status_code == 202
+    assert "not-the-key" not in caplog.text and KEY not in caplog.text
+    assert "POST /generate" in caplog.text  # the access log was captured
+
+
+def test_submit_answers_202_and_the_job_waits_queued(client, api, redis_server):
+    response = client.post("/generate", json={"prompt": "Hello there", "max_tokens": 5, "temperature": 0})
+    assert response.status_code == 202
+    submitted = response.json()
+    seq_id = submitted["seq_id"]
+    assert submitted["status"] == "queued"
+    assert submitted["result_url"] == f"{api.url}/result/{seq_id}"
+
+    result = client.get(f"/result/{seq_id}").json()
+    assert result["status"] == "queued" and result["text"] == "" and result["timings"]["enqueued"] > 0
+    # The job is an RQ job with the JSON serializer, its function named by dotted path.
+    job = Job.fetch(seq_id, connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
+    assert job.func_name == "worker.jobs.generate"
+    assert job.kwargs["sampling"]["max_tokens"] == 5 and job.kwargs["prompt"] == "Hello there"
+    # A long poll on a job that does not end returns its state when the wait is over.
+    assert client.get(f"/result/{seq_id}", params={"wait": 0.3}).json()["status"] == "queued"
+
+
+def test_cancel_a_queued_job(client, redis_server):
+    seq_id = client.post("/generate", json={"prompt": "cancel me"}).json()["seq_id"]
+    queue = Queue("api-tests", connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
+    assert seq_id in queue.job_ids
+    canceled = client.delete(f"/result/{seq_id}")
+    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
+    assert seq_id not in queue.job_ids  # no worker will ever take it
+    assert client.get(f"/result/{seq_id}").json()["status"] == "canceled"
+    assert client.delete(f"/result/{seq_id}").json()["status"] == "canceled"  # idempotent
+    # The stream of a canceled job ends at once.
+    events = client.get(f"/stream/{seq_id}").text
+    assert "event: end" in events and '"status": "canceled"' in events
+
+
+def test_unknown_ids_get_404(client):
+    for seq_id in ("0123456789abcdef", "bad%20id"):
+        assert_error(client.get(f"/result/{seq_id}"), 404, "no job")
+        assert_error(client.delete(f"/result/{seq_id}"), 404, "no job")
+        assert_error(client.get(f"/stream/{seq_id}"), 404, "no job")
+    assert_error(client.get("/result/abc", params={"wait": -1}), 422, "wait")
+    assert_error(client.get("/stream/abc", headers={"Last-Event-ID": "x"}), 400, "Last-Event-ID")
+
+
+def test_idempotency_key_gives_one_job(client, redis_server):
+    body = {"prompt": "once", "max_tokens": 3}
+    first = client.post("/generate", json=body, headers={"Idempotency-Key": "order-17"})
+    again = client.post("/generate", json=body, headers={"Idempotency-Key": "order-17"})
+    assert first.status_code == again.status_code == 202
+    assert first.json()["seq_id"] == again.json()["seq_id"]
+    queue = Queue("api-tests", connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
+    assert queue.job_ids.count(first.json()["seq_id"]) == 1
+    other = client.post("/generate", json={**body, "max_tokens": 4}, headers={"Idempotency-Key": "order-17"})
+    assert_error(other, 422, "already used with a different request body")
+    assert_error(client.post("/generate", json=body, headers={"Idempotency-Key": "has space"}), 400, "Idempotency-Key")
+
+
+def test_ready_is_503_without_a_worker(client):
+    assert_error(client.get("/ready"), 503, "no live worker on queue 'api-tests'")
+
+
+def test_queue_over_its_limit_gets_429_with_retry_after(model, redis_server, tmp_path):
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="tiny-queue", max_queue_depth=2,
+                                retry_after_s=7)
+    server = ApiServer(settings).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            for _ in range(2):
+                assert client.post("/generate", json={"prompt": "hi"}).status_code == 202
+            full = client.post("/generate", json={"prompt": "hi"})
+            assert_error(full, 429, "queue is full (2 jobs waiting)")
+            assert full.headers["Retry-After"] == "7"
+    finally:
+        server.stop()
+
+
+def test_redis_going_away_gives_503_then_recovers(model, tmp_path):
+    redis_server = RedisServer(tmp_path / "redis").start()
+    server = ApiServer(service_settings(model, redis_server.url, tmp_path, queue_name="outage")).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            seq_id = client.post("/generate", json={"prompt": "survives"}).json()["seq_id"]
+            redis_server.stop()
+            for response in (
+                client.post("/generate", json={"prompt": "hi"}),
+                client.get(f"/result/{seq_id}"),
+                client.get(f"/result/{seq_id}", params={"wait": 1}),
+                client.delete(f"/result/{seq_id}"),
+                client.get(f"/stream/{seq_id}"),
+                client.get("/ready"),
+            ):
+                assert_error(response, 503, "the job store (Redis) is unreachable")
+                assert response.headers["Retry-After"]
+            assert client.get("/health").status_code == 200  # alive, just not ready
+
+            redis_server.start()  # same port and data directory: the AOF brings the job back
+            assert client.get(f"/result/{seq_id}").json()["status"] == "queued"
+            assert client.post("/generate", json={"prompt": "hi"}).status_code == 202
+    finally:
+        server.stop()
+        redis_server.stop()

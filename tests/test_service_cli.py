@@ -1,0 +1,107 @@
+"""The CLI: the README's main commands (`pagedq up`, then `pagedq submit --wait`) run as
+written, in a fresh HOME, with nothing else set up; the client commands fail with a
+message and a non-zero status when nothing answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedq.cli import main
+from pagedq.redis_server import free_port
+from tests.service_helpers import REPO
+
+README = (REPO / "README.md").read_text()
+PAGEDQ = str(Path(sys.executable).with_name("pagedq"))
+
+
+def readme_command(pattern: str) -> list[str]:
+    """The README's command matching `pattern` (after `.venv/bin/`), as argv for this venv."""
+    match = re.search(r"\.venv/bin/(" + pattern + r")", README)
+    assert match, f"README has no `{pattern}` command"
+    argv = shlex.split(match.group(1))
+    return [PAGEDQ, *argv[1:]]
+
+
+@pytest.mark.slow
+def test_readme_quick_start_works_in_a_fresh_home(tmp_path):
+    up_argv = readme_command(r"pagedq up")
+    submit_argv = readme_command(r'pagedq submit --wait "Hello"')
+    assert up_argv[1:] == ["up"] and submit_argv[1:] == ["submit", "--wait", "Hello"]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDQ_")}
+    # A free port instead of 8000, for both commands; everything else is the default.
+    env.update(HOME=str(home), PAGEDQ_PORT=str(free_port()))
+
+    up = subprocess.Popen(up_argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("pagedq is up:"):
+                break
+        assert up.poll() is None, "".join(lines)
+
+        def run(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+        submitted = run(*submit_argv)
+        assert submitted.returncode == 0, submitted.stderr
+        assert submitted.stdout.strip()  # the generated text
+
+        seq_id = run(PAGEDQ, "submit", "Hi there", "--max-tokens", "5").stdout.strip()
+        result = json.loads(run(PAGEDQ, "result", seq_id, "--wait", "30").stdout)
+        assert result["status"] == "finished" and len(result["token_ids"]) == 5
+        too_late = run(PAGEDQ, "cancel", seq_id)
+        assert too_late.returncode == 1 and "already finished" in too_late.stderr
+        streamed = run(PAGEDQ, "submit", "--stream", "Stream me", "--max-tokens", "6", "--temperature", "0")
+        waited = run(PAGEDQ, "submit", "--wait", "Stream me", "--max-tokens", "6", "--temperature", "0")
+        assert streamed.returncode == 0 and streamed.stdout == waited.stdout
+        bad = run(PAGEDQ, "submit", "--wait", "x", "--max-tokens", "0")
+        assert bad.returncode == 1 and "max_tokens" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            assert up.wait(60) == 0
+        finally:
+            if up.poll() is None:
+                up.kill()
+    # The tiny checkpoint and Redis's AOF live under the fresh HOME.
+    cache = home / ".cache" / "pagedq"
+    assert (cache / "tiny-llama" / "config.json").is_file()
+    assert any((cache / "redis").rglob("*.aof"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["submit", "--wait", "hi"],
+        ["submit", "--stream", "hi"],
+        ["result", "abc"],
+        ["cancel", "abc"],
+    ],
+)
+def test_client_commands_without_a_server_fail_with_a_message(argv, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    assert main([*argv, "--url", url]) == 1
+    assert f"cannot reach the pagedq api at {url}" in capsys.readouterr().err
+    assert time.monotonic() - started < 20
+
+
+def test_servers_without_redis_or_model_fail_with_a_message(tiny_model_dir, capsys):
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["worker", "--model", str(tiny_model_dir()), "--redis-url", unreachable]) == 1
+    assert f"cannot reach Redis at {unreachable}" in capsys.readouterr().err
+    assert main(["api", "--model", str(Path("/nonexistent")), "--redis-url", unreachable]) == 1
+    assert "not a local Hugging Face checkpoint directory" in capsys.readouterr().err

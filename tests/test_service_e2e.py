@@ -1,0 +1,253 @@
+"""The service end to end: a real redis-server, the api under real uvicorn, and one
+`pagedq worker` process shared by the module. Results are checked against pagedq's
+offline engine on the same tiny model, and against RQ's own view of the jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from redis import Redis
+from rq.command import send_stop_job_command
+from rq.job import Job
+from rq.registry import FinishedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.suspension import resume
+
+from pagedq.client import Client, SSEParser
+from pagedq.protocol import GenerationResult
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import (
+    REPO,
+    ApiServer,
+    WorkerProcess,
+    offline_greedy,
+    service_settings,
+    suspend_workers,
+    wait_for_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+QUEUE = "e2e"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def service(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    redis_server = RedisServer(tmp / "redis").start()
+    settings = service_settings(model, redis_server.url, tmp, queue_name=QUEUE)
+    worker = WorkerProcess(settings, tmp / "worker.log")
+    api = ApiServer(settings).start()
+    try:
+        wait_for_worker(api.url)
+        yield api, Redis.from_url(redis_server.url), worker
+    finally:
+        api.stop()
+        worker.stop()
+        redis_server.stop()
+
+
+@pytest.fixture
+def client(service):
+    api, _, _ = service
+    with Client(api.url, timeout_s=60) as client:
+        yield client
+
+
+def fetch(redis: Redis, seq_id: str) -> Job:
+    return Job.fetch(seq_id, connection=redis, serializer=JSONSerializer)
+
+
+def engine_stats(api_url: str) -> dict:
+    (worker,) = httpx.get(f"{api_url}/ready", timeout=10).json()["workers"]
+    return worker["engine"]
+
+
+def test_fifty_concurrent_requests_match_the_offline_engine(service, client, model):
+    api, redis, _ = service
+    requests = [
+        {"prompt": f"Request number {i}: tell me something", "max_tokens": 6 + i % 7, "temperature": 0}
+        if i % 2 else
+        {"prompt_token_ids": [3 + (i * 7 + j) % 500 for j in range(5 + i % 11)], "max_tokens": 12, "temperature": 0}
+        for i in range(50)
+    ]
+    finished_before = FinishedJobRegistry(QUEUE, connection=redis).count
+    with ThreadPoolExecutor(50) as pool:
+        seq_ids = list(pool.map(lambda body: client.submit(**body)["seq_id"], requests))
+        results = list(pool.map(client.wait, seq_ids))
+
+    expected = offline_greedy(model, requests)
+    assert [r["status"] for r in results] == ["finished"] * 50
+    assert [r["token_ids"] for r in results] == expected
+    for body, result in zip(requests, results):
+        assert result["finish_reason"] in ("length", "stop")
+        assert result["usage"]["completion_tokens"] == len(result["token_ids"])
+        timings = result["timings"]
+        assert timings["enqueued"] <= timings["started"] <= timings["first_token"] <= timings["finished"]
+    # RQ tells the same story.
+    for seq_id, result in zip(seq_ids, results):
+        job = fetch(redis, seq_id)
+        assert job.get_status() == "finished"
+        recorded = GenerationResult.model_validate(job.return_value())
+        assert recorded.seq_id == seq_id and recorded.token_ids == result["token_ids"]
+        assert len(job.results()) == 1
+    assert FinishedJobRegistry(QUEUE, connection=redis).count == finished_before + 50
+
+
+def test_polling_and_streaming_follow_a_job_from_queued_to_finished(service, client):
+    api, redis, _ = service
+    suspend_workers(redis, api.url)  # the worker stops admitting: the job stays queued while we look
+    try:
+        seq_id = client.submit(prompt="Once upon a time", max_tokens=700, ignore_eos=True, temperature=0)["seq_id"]
+        events = []
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(lambda: events.extend(client.events(seq_id)))
+            for _ in range(3):
+                assert client.result(seq_id)["status"] == "queued"
+                time.sleep(0.1)
+            resume(redis)
+            partial_lengths = []
+            while (result := client.result(seq_id))["status"] != "finished":
+                if result["status"] == "running":
+                    partial_lengths.append(len(result["token_ids"]))
+                    assert result["text"] is not None and result["usage"]["prompt_tokens"] > 0
+                time.sleep(0.02)
+            streaming.result(timeout=30)
+    finally:
+        resume(redis)
+
+    growing = [n for n in partial_lengths if 0 < n < 700]
+    assert len(set(growing)) >= 2 and growing == sorted(growing), partial_lengths
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 700
+    kinds = [event for event, _ in events]
+    assert kinds[-1] == "end" and set(kinds[:-1]) == {"delta"}
+    assert "".join(data["text"] for event, data in events if event == "delta") == result["text"]
+    assert events[-2][1]["num_tokens"] == 700
+    assert events[-1][1] == {"status": "finished", "finish_reason": "length"}
+
+
+def test_stream_resumes_from_last_event_id(service, client):
+    """A client that drops mid-stream reconnects with Last-Event-ID and misses nothing."""
+    api, _, _ = service
+    seq_id = client.submit(prompt="Resume", max_tokens=300, ignore_eos=True, temperature=0)["seq_id"]
+    with httpx.Client(base_url=api.url, timeout=30) as http:
+        before = read_sse(http, seq_id, {}, stop_after_deltas=5)
+        last_id = before[-1][2]
+        after = read_sse(http, seq_id, {"Last-Event-ID": last_id})
+    final = client.wait(seq_id)
+    text = [data["text"] for event, data, _ in before + after if event == "delta"]
+    assert "".join(text) == final["text"]
+    assert after[0][1]["num_tokens"] > before[-1][1]["num_tokens"]  # nothing replayed
+    assert after[-1][:2] == ("end", {"status": "finished", "finish_reason": "length"})
+
+
+def read_sse(http: httpx.Client, seq_id: str, headers: dict, stop_after_deltas: int | None = None) -> list:
+    frames, parser = [], SSEParser()
+    with http.stream("GET", f"/stream/{seq_id}", headers=headers) as response:
+        for line in response.iter_lines():
+            if (frame := parser.feed(line)) is not None:
+                frames.append(frame)
+                if frame[0] == "delta" and len(frames) == stop_after_deltas:
+                    break
+    return frames
+
+
+def test_cancel_a_queued_job_and_it_never_runs(service, client):
+    api, redis, _ = service
+    suspend_workers(redis, api.url)
+    try:
+        seq_id = client.submit(prompt="never", max_tokens=5)["seq_id"]
+        assert client.cancel(seq_id)["status"] == "canceled"
+    finally:
+        resume(redis)
+    # The worker is admitting again: a later job runs, the canceled one does not.
+    later = client.wait(client.submit(prompt="after", max_tokens=3)["seq_id"])
+    assert later["status"] == "finished"
+    result = client.result(seq_id)
+    assert result["status"] == "canceled" and result["token_ids"] == [] and result["timings"]["started"] is None
+    assert fetch(redis, seq_id).started_at is None
+
+
+def test_cancel_a_running_job_frees_its_blocks(service, client):
+    api, redis, _ = service
+    seq_id = client.submit(prompt="a long one", max_tokens=900, ignore_eos=True, temperature=0)["seq_id"]
+    wait_until(lambda: len(client.result(seq_id)["token_ids"]) >= 20, 30, "the job to be generating")
+    # The worker sends its engine stats with every step's round trip.
+    busy = wait_until(lambda: (stats := engine_stats(api.url))["num_running"] == 1 and stats, 10, "fresh stats")
+    assert busy["num_free_blocks"] < busy["num_total_blocks"]
+
+    canceled = client.cancel(seq_id)
+    assert canceled["status"] == "canceled" and canceled["finish_reason"] == "abort"
+    # ...and at once when it drops a job.
+    freed = wait_until(
+        lambda: (stats := engine_stats(api.url))["num_running"] == 0 and stats["requests_aborted"] > busy["requests_aborted"]
+        and stats, 5, "the worker to abort the job",
+    )
+    assert freed["num_free_blocks"] == freed["num_total_blocks"] and freed["num_waiting"] == 0
+    time.sleep(0.5)
+    after = client.result(seq_id)
+    assert after["status"] == "canceled" and len(after["token_ids"]) < 900
+    assert fetch(redis, seq_id).get_status() == "canceled"
+    assert list(client.events(seq_id))[-1] == ("end", {"status": "canceled", "finish_reason": "abort"})
+
+
+def test_idempotent_resubmission_runs_once(service, client):
+    _, redis, _ = service
+    body = {"prompt": "only once", "max_tokens": 4, "temperature": 0}
+    first = client.submit(idempotency_key="k-1", **body)["seq_id"]
+    done = client.wait(first)
+    again = client.submit(idempotency_key="k-1", **body)
+    assert again == {"seq_id": first, "status": "finished", "result_url": again["result_url"]}
+    assert client.result(first) == done and len(fetch(redis, first).results()) == 1
+
+
+def test_a_plain_rq_worker_runs_the_same_jobs(service, client, model, tmp_path):
+    """The fallback: `rq worker` runs worker.jobs.generate one job at a time, same result schema."""
+    api, redis, _ = service
+    body = {"prompt": "fallback path", "max_tokens": 9, "temperature": 0}
+    batch_result = client.wait(client.submit(**body)["seq_id"])
+
+    settings = service_settings(model, api.settings.redis_url, tmp_path, queue_name="plain-rq")
+    side_api = ApiServer(settings).start()
+    try:
+        with Client(side_api.url) as side_client:
+            seq_id = side_client.submit(**body)["seq_id"]
+            rq_worker = subprocess.run(
+                [os.path.join(os.path.dirname(sys.executable), "rq"), "worker", "plain-rq", "--burst",
+                 "--url", settings.redis_url, "--serializer", "rq.serializers.JSONSerializer",
+                 "--worker-class", "rq.worker.SimpleWorker"],
+                env={**os.environ, **settings.to_env()}, cwd=REPO, capture_output=True, text=True, timeout=120,
+            )
+            assert rq_worker.returncode == 0, rq_worker.stderr
+            plain_result = side_client.result(seq_id)
+    finally:
+        side_api.stop()
+    assert plain_result["status"] == "finished"
+    for field in ("text", "token_ids", "finish_reason", "usage"):
+        assert plain_result[field] == batch_result[field]
+    assert GenerationResult.model_validate(fetch(redis, seq_id).return_value()).seq_id == seq_id
+
+
+def test_rq_stop_job_command_reaches_the_right_job(service, client):
+    """RQ's stop-job command names one job; the batch worker stops that one and no other."""
+    api, redis, _ = service
+    stopped_id, other_id = (
+        client.submit(prompt=prompt, max_tokens=600, ignore_eos=True)["seq_id"] for prompt in ("stop me", "not me")
+    )
+    wait_until(lambda: all(client.result(s)["status"] == "running" for s in (stopped_id, other_id)), 30, "both running")
+    send_stop_job_command(redis, stopped_id, serializer=JSONSerializer)
+    stopped = client.wait(stopped_id)
+    assert stopped["status"] == "failed" and stopped["error"] == "worker.rq_worker.JobStopped: stopped by request"
+    assert fetch(redis, stopped_id).get_status() == "stopped"
+    assert client.wait(other_id)["status"] == "finished"

@@ -1,0 +1,158 @@
+"""Failures with real processes and real signals: a worker SIGKILLed with jobs in flight,
+Redis restarted (AOF on) under a running worker, SIGTERM draining, and several workers
+sharing one queue. Every job must finish exactly once, with the offline engine's tokens."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.suspension import resume
+
+from pagedq.client import Client
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import (
+    ApiServer,
+    WorkerProcess,
+    offline_greedy,
+    ready_workers,
+    service_settings,
+    suspend_workers,
+    wait_for_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture
+def service(model, tmp_path):
+    """Redis and the api; each test starts (and kills) its own workers."""
+    redis_server = RedisServer(tmp_path / "redis").start()
+    settings = service_settings(model, redis_server.url, tmp_path)
+    api = ApiServer(settings).start()
+    workers: list[WorkerProcess] = []
+
+    def start_worker(**overrides) -> WorkerProcess:
+        worker = WorkerProcess(settings.with_overrides(**overrides), tmp_path / f"worker-{len(workers)}.log")
+        workers.append(worker)
+        return worker
+
+    try:
+        with Client(api.url, timeout_s=60) as client:
+            yield client, redis_server, start_worker, api
+    finally:
+        api.stop()
+        for worker in workers:
+            worker.stop()
+        redis_server.stop()
+
+
+def long_requests(count: int, max_tokens: int) -> list[dict]:
+    return [
+        {"prompt_token_ids": [7 + (i * 13 + j) % 400 for j in range(4 + i % 5)], "max_tokens": max_tokens,
+         "ignore_eos": True, "temperature": 0}
+        for i in range(count)
+    ]
+
+
+def jobs(redis: Redis, seq_ids: list[str]) -> list[Job]:
+    return Job.fetch_many(seq_ids, connection=redis, serializer=JSONSerializer)
+
+
+def assert_finished_once(client: Client, redis: Redis, seq_ids: list[str], expected: list[list[int]]) -> None:
+    results = [client.result(seq_id) for seq_id in seq_ids]
+    assert [r["status"] for r in results] == ["finished"] * len(seq_ids)
+    assert [r["token_ids"] for r in results] == expected
+    # Exactly one result recorded per job: no attempt finished twice.
+    assert [len(job.results()) for job in jobs(redis, seq_ids)] == [1] * len(seq_ids)
+
+
+def test_sigkilled_worker_jobs_finish_on_another_worker(service, model):
+    client, redis_server, start_worker, api = service
+    redis = Redis.from_url(redis_server.url)
+    doomed = start_worker()
+    first = wait_for_worker(api.url)["name"]
+    requests = long_requests(20, max_tokens=400)
+    seq_ids = [client.submit(**body)["seq_id"] for body in requests]
+    # All 20 in flight on the first worker, generating.
+    wait_until(
+        lambda: all(job.get_status(refresh=False) == "started" and job.worker_name == first
+                    for job in jobs(redis, seq_ids)),
+        30, "all 20 jobs to start",
+    )
+    wait_until(lambda: len(client.result(seq_ids[-1])["token_ids"]) > 0, 30, "tokens")
+
+    doomed.process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    doomed.process.wait()
+    start_worker()
+    wait_until(lambda: all(client.result(s)["status"] == "finished" for s in seq_ids), 60, "all 20 to finish")
+    assert time.monotonic() - killed_at < 60
+    assert_finished_once(client, redis, seq_ids, offline_greedy(model, requests))
+    # The stream says the first attempt was dropped and carries the second one whole.
+    events = list(client.events(seq_ids[0]))
+    reset = max(i for i, (event, _) in enumerate(events) if event == "reset")
+    assert events[reset][1] == {"attempt": 2}
+    again = "".join(data["text"] for event, data in events[reset:] if event == "delta")
+    assert again == client.result(seq_ids[0])["text"]
+
+
+def test_redis_restart_keeps_queued_jobs_and_the_worker_resumes(service, model):
+    client, redis_server, start_worker, api = service
+    redis = Redis.from_url(redis_server.url)
+    worker = start_worker()
+    wait_for_worker(api.url)
+    requests = long_requests(7, max_tokens=300)
+    running = [client.submit(**body)["seq_id"] for body in requests[:2]]
+    wait_until(lambda: all(len(client.result(s)["token_ids"]) > 0 for s in running), 30, "two jobs running")
+    suspend_workers(redis, api.url)  # the next jobs stay queued
+    queued = [client.submit(**body)["seq_id"] for body in requests[2:]]
+
+    redis_server.stop()  # SIGTERM: the AOF is flushed
+    time.sleep(2.0)
+    assert worker.process.poll() is None  # retrying, not dead
+    redis_server.start()  # same port, same data directory
+    assert [client.result(s)["status"] for s in queued] == ["queued"] * 5
+    resume(redis)
+    wait_until(lambda: all(client.result(s)["status"] == "finished" for s in running + queued), 60, "all to finish")
+    assert_finished_once(client, redis, running + queued, offline_greedy(model, requests))
+    assert "Redis unavailable" in worker.log()
+    assert worker.process.poll() is None and len(ready_workers(api.url)) == 1
+
+
+def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model):
+    client, redis_server, start_worker, api = service
+    redis = Redis.from_url(redis_server.url)
+    draining = start_worker(drain_timeout_s=1.0)
+    wait_for_worker(api.url)
+    short = long_requests(1, max_tokens=200)
+    long = long_requests(3, max_tokens=1000)
+    short_id, *long_ids = [client.submit(**body)["seq_id"] for body in short + long]
+    wait_until(lambda: all(client.result(s)["status"] == "running" for s in long_ids), 30, "jobs running")
+
+    draining.process.send_signal(signal.SIGTERM)
+    late_ids = [client.submit(**body)["seq_id"] for body in long_requests(12, max_tokens=100)]  # not admitted now
+    assert draining.process.wait(30) == 0
+    # What finished in time finished; what did not went back to the queue, at its front.
+    assert client.result(short_id)["status"] == "finished"
+    assert [client.result(s)["status"] for s in long_ids + late_ids] == ["queued"] * 15
+    assert Job.fetch(long_ids[0], connection=redis, serializer=JSONSerializer).get_position() < 3
+
+    # Two workers with small batches share the rest.
+    for _ in range(2):
+        start_worker(max_inflight=4)
+    wait_until(lambda: all(client.result(s)["status"] == "finished" for s in long_ids + late_ids), 90, "all to finish")
+    assert_finished_once(client, redis, long_ids, offline_greedy(model, long))
+    ran_on = {job.worker_name for job in jobs(redis, late_ids + long_ids)}
+    drained = Job.fetch(short_id, connection=redis, serializer=JSONSerializer).worker_name
+    assert len(ran_on) == 2 and drained not in ran_on
