@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
+from pagedq.beam_search import BeamSearchParams
 from pagedq.outputs import RequestOutput
 from pagedq.sampling_params import SamplingParams
 
@@ -46,9 +47,20 @@ class GenerateRequest(SamplingParams):
     prompt: StrictStr | None = None
     prompt_token_ids: list[int] | None = None
     priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
+    use_beam_search: bool = Field(False, description="Beam search instead of sampling; the result holds every beam, best first.")
+    beam_width: int = Field(1, ge=1, le=64)
+    length_penalty: float = Field(1.0, description="Beam score = cumulative logprob / length ** length_penalty.")
 
     @model_validator(mode="after")
     def _one_prompt_one_completion(self) -> GenerateRequest:
+        if self.use_beam_search:
+            sampling_only = sorted(self.model_fields_set & _SAMPLING_ONLY_FIELDS)
+            if sampling_only:
+                raise ValueError(f"{', '.join(sampling_only)}: not used by beam search (use_beam_search=true)")
+            if self.max_tokens is None:
+                raise ValueError("max_tokens: beam search needs a bound")
+        elif self.model_fields_set & {"beam_width", "length_penalty"}:
+            raise ValueError("beam_width, length_penalty: only with use_beam_search=true")
         if self.n != 1:
             # A job's result holds one completion; parallel samples are separate requests.
             raise ValueError("n: the service returns one completion per request; send n requests (with different seeds)")
@@ -63,6 +75,18 @@ class GenerateRequest(SamplingParams):
     def sampling_params(self) -> SamplingParams:
         return SamplingParams.model_validate(self.model_dump(include=set(SamplingParams.model_fields)))
 
+    def beam_search_params(self) -> BeamSearchParams | None:
+        if not self.use_beam_search:
+            return None
+        return BeamSearchParams(
+            beam_width=self.beam_width, max_tokens=self.max_tokens, length_penalty=self.length_penalty,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+# Sampling fields beam search has no use for: setting one alongside use_beam_search is an error.
+_SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {"max_tokens", "ignore_eos", "skip_special_tokens"}
+
 
 class JobPayload(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -70,8 +94,14 @@ class JobPayload(BaseModel):
     prompt: str | None
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams
+    # Set for beam search, which then replaces sampling.
+    beam: BeamSearchParams | None = None
     priority: int = 0
     enqueued_at: float
+
+    @property
+    def engine_params(self) -> SamplingParams | BeamSearchParams:
+        return self.beam if self.beam is not None else self.sampling
 
 
 class Usage(BaseModel):
@@ -99,6 +129,13 @@ class Progress(BaseModel):
     attempt: int = 0
 
 
+class Beam(BaseModel):
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    finish_reason: FinishReason | None
+
+
 class GenerationResult(BaseModel):
     seq_id: str
     prompt: str | None
@@ -109,29 +146,38 @@ class GenerationResult(BaseModel):
     cumulative_logprob: float | None = None
     # Per generated token: {token id (as a JSON key): logprob}.
     logprobs: list[dict[str, float]] | None = None
+    # Beam search: every beam, best first (the first is also text/token_ids above).
+    beams: list[Beam] | None = None
     usage: Usage
     timings: Timings
 
     @classmethod
     def from_output(
-        cls, output: RequestOutput, seq_id: str, prompt: str | None, enqueued_at: float, started_at: float | None
+        cls, output: RequestOutput, seq_id: str, payload: JobPayload, started_at: float | None
     ) -> GenerationResult:
         completion = output.outputs[0]
+        beams = None
+        if payload.beam is not None:
+            beams = [
+                Beam(text=c.text, token_ids=list(c.token_ids), cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason)
+                for c in output.outputs
+            ]
         logprobs = None
         if completion.logprobs is not None:
             logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in completion.logprobs]
         return cls(
             seq_id=seq_id,
-            prompt=prompt,
+            prompt=payload.prompt,
             text=completion.text,
             token_ids=list(completion.token_ids),
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
             cumulative_logprob=completion.cumulative_logprob,
             logprobs=logprobs,
+            beams=beams,
             usage=Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(completion.token_ids)),
             timings=Timings(
-                enqueued=enqueued_at,
+                enqueued=payload.enqueued_at,
                 started=started_at,
                 first_token=output.metrics.first_token_time,
                 finished=output.metrics.finished_time,
@@ -151,6 +197,7 @@ class ResultResponse(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
+    beams: list[Beam] | None = None
     usage: Usage | None = None
     timings: Timings = Field(default_factory=Timings)
     error: str | None = None

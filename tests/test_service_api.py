@@ -77,6 +77,10 @@ def assert_error(response: httpx.Response, status: int, *fragments: str) -> None
         ({"prompt_token_ids": [5] * 201}, 422, ["201 tokens", "limit of 200"]),
         ({"prompt_token_ids": [5] * 100, "max_tokens": 1000}, 422, ["context length of 1024"]),
         ({"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 422, ["min_tokens"]),
+        ({"prompt": "hi", "use_beam_search": True, "temperature": 0.7}, 422, ["temperature: not used by beam search"]),
+        ({"prompt": "hi", "beam_width": 3}, 422, ["beam_width", "only with use_beam_search"]),
+        ({"prompt": "hi", "use_beam_search": True, "beam_width": 0}, 422, ["beam_width"]),
+        ({"prompt": "hi", "use_beam_search": True, "max_tokens": None}, 422, ["max_tokens: beam search needs a bound"]),
     ],
 )
 def test_bad_requests_get_4xx_with_a_message(client, body, status, fragments):

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from redis import Redis
 from rq.command import send_stop_job_command
 from rq.job import Job
@@ -251,3 +252,22 @@ def test_rq_stop_job_command_reaches_the_right_job(service, client):
     assert stopped["status"] == "failed" and stopped["error"] == "worker.rq_worker.JobStopped: stopped by request"
     assert fetch(redis, stopped_id).get_status() == "stopped"
     assert client.wait(other_id)["status"] == "finished"
+
+
+def test_beam_search_returns_every_beam_best_first(service, client, model):
+    from pagedq import LLM, BeamSearchParams
+
+    body = {"prompt": "Tell me about beams", "use_beam_search": True, "beam_width": 3, "max_tokens": 6, "ignore_eos": True}
+    result = client.wait(client.submit(**body)["seq_id"])
+    assert result["status"] == "finished"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the worker's count, so float reductions happen in the same order
+    try:
+        offline = LLM(model=str(model), device="cpu").beam_search(
+            "Tell me about beams", BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+        )[0]
+    finally:
+        torch.set_num_threads(threads)
+    prompt_len = result["usage"]["prompt_tokens"]
+    assert [b["token_ids"] for b in result["beams"]] == [s.tokens[prompt_len:] for s in offline.sequences]
+    assert result["token_ids"] == result["beams"][0]["token_ids"] and result["text"] == result["beams"][0]["text"]

@@ -48,7 +48,7 @@ def generate(**payload: Any) -> dict:
     engine.add_request(
         job.id,
         {"prompt_token_ids": request.prompt_token_ids},
-        request.sampling,
+        request.engine_params,
         arrival_time=request.enqueued_at,
         priority=request.priority,
     )
@@ -71,4 +71,4 @@ def generate(**payload: Any) -> dict:
 
     # No "end" event here: RQ records the result only after this returns, and the
     # stream relay ends by itself once it sees the job's terminal status.
-    return GenerationResult.from_output(final, job.id, request.prompt, request.enqueued_at, started_at).model_dump(mode="json")
+    return GenerationResult.from_output(final, job.id, request, started_at).model_dump(mode="json")

@@ -304,7 +304,7 @@ class BatchWorker(BaseWorker):
             self.engine.add_request(
                 execution.id,
                 {"prompt_token_ids": payload.prompt_token_ids},
-                payload.sampling,
+                payload.engine_params,
                 arrival_time=payload.enqueued_at,
                 priority=payload.priority,
             )
@@ -370,7 +370,7 @@ class BatchWorker(BaseWorker):
     def _finish(self, entry: InFlight) -> tuple[str, str]:
         job = entry.job
         payload = entry.payload
-        result = GenerationResult.from_output(entry.final, job.id, payload.prompt, payload.enqueued_at, entry.started_at)
+        result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
         self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
