@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     heartbeat_ttl_s: int = Field(15, ge=2, description="A dead worker's jobs are requeued this long after its last beat.")
     reaper_interval_s: float = Field(2.0, gt=0)
     progress_interval_s: float = Field(0.2, ge=0, description="Min seconds between partial-result writes per job.")
+    stream_interval_s: float = Field(
+        0.0, ge=0, description="Min seconds between one job's streamed deltas after its first token (0: every engine step)."
+    )
     drain_timeout_s: float = Field(10.0, ge=0, description="SIGTERM: finish in-flight jobs for this long, then requeue.")
 
     @field_validator("api_keys", mode="before")

@@ -39,7 +39,7 @@ def generate(**payload: Any) -> dict:
     request = JobPayload.model_validate(payload)
     settings = Settings()
     engine = _process_engine()
-    publisher = ProgressPublisher(job.connection, settings.stream_ttl_s, settings.progress_interval_s)
+    publisher = ProgressPublisher(job.connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
     started_at = time.time()
 
     with job.connection.pipeline() as pipeline:

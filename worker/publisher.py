@@ -1,5 +1,7 @@
 """Publishes what running jobs have produced so far: text deltas to each job's Redis stream
 (GET /stream relays them) and the partial result to `job.meta` (GET /result shows it).
+After a job's first token, its deltas go out at most every `stream_interval_s` (0: every
+engine step), batching tokens into fewer events when relaying them is what costs.
 
 `update()` only records an engine output; `publish()` queues everything recorded since
 the last send into a caller's pipeline as one script call, whatever the number of jobs
@@ -78,15 +80,19 @@ class _Published:
     sent_chars: int = 0
     sent_tokens: int = 0
     next_progress_at: float = 0.0
+    next_delta_at: float = 0.0
 
 
 class ProgressPublisher:
-    def __init__(self, connection: Redis, stream_ttl_s: int, progress_interval_s: float):
+    def __init__(self, connection: Redis, stream_ttl_s: int, progress_interval_s: float, stream_interval_s: float = 0.0):
         self.connection = connection
         self.stream_ttl_s = stream_ttl_s
         self.progress_interval_s = progress_interval_s
+        self.stream_interval_s = stream_interval_s
         self._jobs: dict[str, _Published] = {}
         self._dirty: set[str] = set()
+        # Jobs whose recorded output the pending publish() carries in full.
+        self._sending: set[str] = set()
 
     def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int) -> None:
         """Called when a job (re)starts running; records the attempt number."""
@@ -111,6 +117,7 @@ class ProgressPublisher:
     def publish(self, pipeline: Pipeline) -> None:
         """Queue everything recorded since the last published() into `pipeline`, as one
         script call; call published() once the pipeline has run."""
+        self._sending.clear()
         if not self._dirty:
             return
         now = time.monotonic()
@@ -120,7 +127,13 @@ class ProgressPublisher:
         for seq_id in self._dirty:
             state = self._jobs[seq_id]
             completion = state.output.outputs[0]
+            # The first token and the last go at once; in between a job's deltas are batched
+            # to one per stream_interval_s (what is held back stays dirty for a later step).
+            if state.sent_tokens and not state.output.finished and now < state.next_delta_at:
+                continue
+            self._sending.add(seq_id)
             if len(completion.token_ids) > state.sent_tokens:
+                state.next_delta_at = now + self.stream_interval_s
                 streams.append(stream_key(seq_id))
                 deltas += [completion.text[state.sent_chars:], len(completion.token_ids), int(state.sent_tokens == 0)]
             # Partial results are rewritten whole, so they are throttled; deltas never are.
@@ -139,12 +152,14 @@ class ProgressPublisher:
 
     def published(self) -> None:
         """The pipeline given to publish() ran: what it carried is sent."""
-        for seq_id in self._dirty:
-            state = self._jobs[seq_id]
-            completion = state.output.outputs[0]
-            state.sent_chars = len(completion.text)
-            state.sent_tokens = len(completion.token_ids)
-        self._dirty.clear()
+        for seq_id in self._sending:
+            state = self._jobs.get(seq_id)
+            if state is not None:
+                completion = state.output.outputs[0]
+                state.sent_chars = len(completion.text)
+                state.sent_tokens = len(completion.token_ids)
+        self._dirty -= self._sending
+        self._sending.clear()
 
     def flush(self) -> None:
         """Send everything recorded so far, in one round trip."""
@@ -156,3 +171,4 @@ class ProgressPublisher:
     def forget(self, seq_id: str) -> None:
         self._jobs.pop(seq_id, None)
         self._dirty.discard(seq_id)
+        self._sending.discard(seq_id)

@@ -125,7 +125,7 @@ class BatchWorker(BaseWorker):
         self.queue = self.queues[0]
         # By engine request id (= execution id).
         self.inflight: dict[str, InFlight] = {}
-        self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s)
+        self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
         # Job ids named by stop-job commands; filled by RQ's pubsub thread.
         self._stop_requests: set[str] = set()
