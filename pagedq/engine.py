@@ -113,7 +113,8 @@ class LLMEngine:
             raise ValueError(f"params: expected SamplingParams or BeamSearchParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
-        if request_id in self.requests:
+        if request_id in self.requests or any(o.request_id == request_id for o in self._aborted_outputs):
+            # An aborted id is free again once step() has returned its final output.
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
@@ -195,7 +196,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks; unknown or finished ids are ignored.
-        The next step() returns each one's final output, finish_reason "abort"."""
+        The next step() returns each one's final output, finish_reason "abort"; until then
+        the id cannot be reused."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             request = self.requests.pop(rid, None)

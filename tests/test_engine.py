@@ -153,6 +153,11 @@ def test_blocks_come_back_after_abort(llama):
             if output.finished:
                 finished[output.request_id] = output
     assert {finished[r].outputs[0].finish_reason for r in ("abort-0", "abort-3")} == {"abort"}
+    engine.add_request("abort-0", {"prompt_token_ids": [5]}, params)  # free again once its abort was returned
+    engine.abort_request("abort-0")
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request("abort-0", {"prompt_token_ids": [5]}, params)
+    assert [o.request_id for o in engine.step()] == ["abort-0"]
     assert {finished[f"abort-{i}"].outputs[0].finish_reason for i in (1, 2, 4, 5)} == {"length"}
     assert_all_blocks_free(engine)
 
