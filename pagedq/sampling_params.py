@@ -7,8 +7,6 @@ HTTP request bodies (422) and job payloads read back from Redis.
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 # Sampling with these settings is deterministic argmax.

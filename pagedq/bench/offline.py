@@ -33,6 +33,22 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: float32 on CPU, the checkpoint's half type on CUDA")
 
 
+def resolve_model_and_workload(args: argparse.Namespace):
+    """(hf_config, device, dtype, workload) for the --model/--device/--dtype and workload
+    flags; a CommandError names what is wrong."""
+    from pagedq.model_info import context_length, load_hf_config
+    from worker.model_runner import resolve_device, resolve_dtype
+
+    try:
+        hf_config = load_hf_config(args.model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, hf_config, device)
+        workload = workload_from_args(args, hf_config.vocab_size, context_length(hf_config))
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    return hf_config, device, dtype, workload
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_workload_arguments(parser)
@@ -90,21 +106,12 @@ def short_counts(runs: list[PeerRun], workload: Workload) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from pagedq.bench.peer import measure
     from pagedq.bench.report import device_description, model_description, throughput_table, versions, write_json
-    from pagedq.model_info import context_length, load_hf_config
-    from worker.model_runner import resolve_device, resolve_dtype
 
     if args.verify:
         args.greedy = True
         if "pagedq" not in args.peers or len(args.peers) < 2:
             raise CommandError("--verify: needs pagedq and at least one transformers peer in --peers")
-    try:
-        hf_config = load_hf_config(args.model)
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, hf_config, device)
-        workload = workload_from_args(args, hf_config.vocab_size, context_length(hf_config))
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None
-
+    hf_config, device, dtype, workload = resolve_model_and_workload(args)
     print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}); "
           f"{workload.num_requests} requests, input {workload.input_len}, output {workload.output_len}, "
           f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos",

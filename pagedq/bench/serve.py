@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from pagedq.bench.latency import RequestTiming, summarize
-from pagedq.bench.offline import add_model_arguments
-from pagedq.bench.workload import Workload, add_workload_arguments, positive_int, workload_from_args
+from pagedq.bench.offline import add_model_arguments, resolve_model_and_workload
+from pagedq.bench.workload import Workload, add_workload_arguments, positive_int
 from pagedq.cli import CommandError
 from pagedq.client import SSEParser
 
@@ -216,17 +216,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedq.bench.pagedq_peer import PagedqPeer
     from pagedq.bench.peer import measure
     from pagedq.bench.report import device_description, model_description, versions, write_json
-    from pagedq.model_info import context_length, load_hf_config
     from worker.engine_factory import torch_threads
-    from worker.model_runner import resolve_device, resolve_dtype
 
-    try:
-        hf_config = load_hf_config(args.model)
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, hf_config, device)
-        workload = workload_from_args(args, hf_config.vocab_size, context_length(hf_config))
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None
+    hf_config, device, dtype, workload = resolve_model_and_workload(args)
     load = (f"concurrency {args.concurrency}" if args.concurrency
             else f"Poisson {args.request_rate}/s" if args.request_rate else "all requests at once")
     print(f"model {args.model}; {workload.num_requests} requests, input {workload.input_len}, output "
