@@ -43,7 +43,7 @@ def generate(**payload: Any) -> dict:
     started_at = time.time()
 
     with job.connection.pipeline() as pipeline:
-        publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids))
+        publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
     engine.add_request(
         job.id,
