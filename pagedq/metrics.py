@@ -142,6 +142,9 @@ class _QueueDepths(Collector):
     def __init__(self, read: Callable[[], dict[str, int]]):
         self.read = read
 
+    def describe(self) -> Iterator[Metric]:
+        yield _queue_depth_family({})  # the name, without reading Redis at registration
+
     def collect(self) -> Iterator[Metric]:
         yield _queue_depth_family(self.read())
 
