@@ -311,8 +311,10 @@ class BatchWorker(BaseWorker):
         full = full or time.monotonic() >= self._next_full_check
         take = batch_take = 0
         if admit and not self._draining and not self._suspended and self.engine.stats()["num_waiting"] == 0:
-            take = max(0, self.capacity - len(entries))
-            batch_take = max(0, self.batch_capacity - sum(entry.queue is self.batch_queue for entry in entries))
+            # Jobs the engine has finished are recorded in this tick: their slots are free already.
+            running = [entry for entry in entries if entry.final is None]
+            take = max(0, self.capacity - len(running))
+            batch_take = max(0, self.batch_capacity - sum(entry.queue is self.batch_queue for entry in running))
         checked = entries if full else [entry for entry in entries if entry.final is not None]
         cancels, lost, taken = self._redis_sync(checked, take, batch_take, publish=True)
         if not full and cancels != self._cancels_seen:

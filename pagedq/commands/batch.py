@@ -78,22 +78,26 @@ def _sampling(args: argparse.Namespace) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def documents_jsonl(paths: list[str], template: str, chat: bool, model: str, sampling: dict) -> bytes:
-    """One request per document, custom_id = the path as given."""
-    template = _unescape(template)
-    if "{text}" not in template:
-        raise CommandError("--template: must contain {text}, where each document goes")
+def read_documents(paths: list[str]) -> dict[str, str]:
+    """Each document's text by its path as given (its custom_id)."""
     duplicates = sorted({path for path in paths if paths.count(path) > 1})
     if duplicates:
         raise CommandError(f"given more than once: {', '.join(duplicates)}")
-    lines = []
+    documents = {}
     for path in paths:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            documents[path] = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise CommandError(f"{path}: not UTF-8 text") from None
         except OSError as exc:
             raise CommandError(f"{path}: {exc.strerror}") from None
+    return documents
+
+
+def documents_jsonl(documents: dict[str, str], template: str, chat: bool, model: str, sampling: dict) -> bytes:
+    """One request per document, custom_id = its path."""
+    lines = []
+    for path, text in documents.items():
         prompt = template.replace("{text}", text.rstrip("\n"))
         body = {"model": model, **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}),
                 **sampling}
@@ -117,24 +121,28 @@ def _jsonl_endpoint(content: bytes) -> str:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
-    documents = args.template is not None
-    if not documents:
+    # Everything that can be checked here is, before anything is sent.
+    if args.template is not None:
+        template = _unescape(args.template)
+        if "{text}" not in template:
+            raise CommandError("--template: must contain {text}, where each document goes")
+        documents = read_documents(args.inputs)
+    else:
         if len(args.inputs) != 1 or not args.inputs[0].endswith(".jsonl"):
             raise CommandError("give documents with --template, or exactly one .jsonl file of OpenAI batch requests")
         if sampling or args.chat or args.model:
             raise CommandError("--chat, --model and sampling flags apply to documents (with --template); "
                                "a JSONL file's lines carry their own bodies")
+        try:
+            content = Path(args.inputs[0]).read_bytes()
+        except OSError as exc:
+            raise CommandError(f"{args.inputs[0]}: {exc.strerror}") from None
+        endpoint = args.endpoint or _jsonl_endpoint(content)
     with connect(args) as client:
-        if documents:
+        if args.template is not None:
             model = args.model or client.models()[0]["id"]
-            content = documents_jsonl(args.inputs, args.template, args.chat, model, sampling)
+            content = documents_jsonl(documents, template, args.chat, model, sampling)
             endpoint = _ENDPOINTS[args.chat]
-        else:
-            try:
-                content = Path(args.inputs[0]).read_bytes()
-            except OSError as exc:
-                raise CommandError(f"{args.inputs[0]}: {exc.strerror}") from None
-            endpoint = args.endpoint or _jsonl_endpoint(content)
         if args.dry_run:
             sys.stdout.write(content.decode())
             return 0
