@@ -317,6 +317,27 @@ def test_cli_bad_input_fails_with_a_message(service, api, tmp_path, monkeypatch,
         assert message in err and "Traceback" not in err, (argv, err)
 
 
+def test_ids_a_dead_worker_took_but_never_started_go_back_to_the_queue(service, api):
+    """A worker that dies between taking ids from a queue (RQ's LMOVE to the intermediate
+    list) and starting them strands them there; RQ's own maintenance frees them only after
+    minutes. Workers put them back after a heartbeat TTL."""
+    queue = Queue(QUEUE, connection=service.redis)
+    with Client(api.url) as client:
+        suspend_workers(service.redis, api.url)
+        try:
+            seq_id = client.submit("stranded", max_tokens=3)["seq_id"]
+            # What a worker's per-step sync does, done by one that then died.
+            assert service.redis.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT").decode() == seq_id
+            stranded_at = time.monotonic()
+        finally:
+            resume(service.redis)
+        ttl = service.settings.heartbeat_ttl_s
+        wait_until(lambda: client.result(seq_id)["status"] == "finished", ttl + 10, "the stranded job to run",
+                   interval_s=0.2)
+    waited = time.monotonic() - stranded_at
+    assert ttl - 1 <= waited and service.redis.llen(queue.intermediate_queue_key) == 0
+
+
 def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(service, model, tmp_path, monkeypatch,
                                                                             capsys):
     """The issue's must-show: 200 documents summarized through `pagedq batch`, one malformed
