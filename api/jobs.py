@@ -138,14 +138,16 @@ class JobStore:
         )
 
     def submit(
-        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, api_key: str
+        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, api_key: str,
+        stream: bool = True,
     ) -> tuple[str, JobState]:
+        """Queue an interactive job; `stream` false: nobody will follow its deltas."""
         if self.queue.count >= self.settings.max_queue_depth:
             raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, api_key) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
-            self.queue, seq_id, self.payload(request, prompt_token_ids), {_BODY_HASH_META_KEY: body_hash},
+            self.queue, seq_id, self.payload(request, prompt_token_ids, stream), {_BODY_HASH_META_KEY: body_hash},
             self.settings.result_ttl_s,
         )
         try:

@@ -184,7 +184,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
 
     def submit() -> tuple[str, GenerateRequest]:
         generate, prompt_token_ids = translator.prepare(endpoint, body)
-        seq_id, _ = store.submit(generate, prompt_token_ids, None, api_key)
+        seq_id, _ = store.submit(generate, prompt_token_ids, None, api_key, stream=body.stream)
         return seq_id, generate
 
     try:
