@@ -198,10 +198,14 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
         )
     state = await _wait(request, seq_id, settings.completion_timeout_s)
     if state not in TERMINAL:
-        await blocking(request, store.cancel, seq_id)
-        raise ApiError(504, f"job {seq_id} did not finish within {settings.completion_timeout_s:g}s "
-                       "(PAGEDQ_COMPLETION_TIMEOUT_S) and was canceled; stream, or use the Batch API, for long work",
-                       code="timeout")
+        try:
+            await blocking(request, store.cancel, seq_id)
+        except AlreadyFinished:
+            pass  # it ended just now: answer it
+        else:
+            raise ApiError(504, f"job {seq_id} did not finish within {settings.completion_timeout_s:g}s "
+                           "(PAGEDQ_COMPLETION_TIMEOUT_S) and was canceled; stream, or use the Batch API, for long work",
+                           code="timeout")
     state, result, error = await blocking(request, store.outcome, seq_id)
     if state == "failed":
         raise ApiError(500, f"job {seq_id} failed: {error}", code="job_failed")

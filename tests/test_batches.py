@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.suspension import resume
 from transformers import AutoTokenizer
 
+import pagedq
 from pagedq.cli import main
 from pagedq.client import Client
 from pagedq.redis_server import RedisServer, free_port
@@ -205,7 +206,7 @@ def test_cancel_stops_running_lines_and_queued_ones_never_run(service, oai, api,
 def test_interactive_requests_are_not_stuck_behind_a_large_batch(service, oai, api, model):
     lines = [completion_line(f"bulk-{i}", model.name, f"Bulk document {i}", max_tokens=48) for i in range(48)]
     file_id = oai.files.create(file=("bulk.jsonl", jsonl(lines)), purpose="batch").id
-    with Client(api.url) as client:
+    with pagedq.Client(api.url, api_key=None) as client:
         suspend_workers(service.redis, api.url)
         try:
             batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
