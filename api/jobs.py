@@ -190,10 +190,13 @@ class JobStore:
             )
         progress = Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
         timings.first_token = progress.first_token
+        usage = None
+        if progress.attempt or state == "running":
+            # A job just started may not have its first progress written yet: its payload knows the prompt.
+            prompt_tokens = progress.prompt_tokens or len(job.kwargs.get("prompt_token_ids") or [])
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids))
         response = ResultResponse(
-            seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings,
-            usage=Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=len(progress.token_ids))
-            if progress.attempt else None,
+            seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings, usage=usage,
         )
         if state == "canceled":
             response.finish_reason = "abort"
