@@ -1,4 +1,6 @@
-"""Every api error is JSON `{"error": <kind>, "message": <what went wrong>}` (protocol.ErrorResponse).
+"""Every api error is JSON `{"error": <kind>, "message": <what went wrong>}` (protocol.ErrorResponse),
+except under /v1, where it is OpenAI's `{"error": {"message", "type", "param", "code"}}` and
+a request that does not validate is a 400 (OpenAI clients expect that shape and status).
 
 Redis unreachable (down, restarting, loading its AOF) is the one failure a client can
 wait out: 503 with Retry-After, never a 500.
@@ -21,53 +23,92 @@ log = logging.getLogger("pagedq.api")
 REDIS_RETRY_AFTER_S = 2
 
 
+OPENAI_PREFIX = "/v1/"
+
+
 class ApiError(HTTPException):
-    """An HTTPException whose message reaches the client as given."""
+    """An HTTPException whose message reaches the client as given; `param` and `code` fill
+    OpenAI's error fields on /v1."""
 
-    def __init__(self, status_code: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(
+        self, status_code: int, message: str, headers: dict[str, str] | None = None,
+        param: str | None = None, code: str | None = None,
+    ):
         super().__init__(status_code=status_code, detail=message, headers=headers)
+        self.param = param
+        self.code = code
 
 
-def error_response(status_code: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = HTTPStatus(status_code).phrase.lower().replace(" ", "_")
-    return JSONResponse({"error": kind, "message": message}, status_code=status_code, headers=headers)
+def openai_error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    if status_code == 401:
+        kind = "authentication_error"
+    elif status_code == 429:
+        kind = "rate_limit_error"
+    elif status_code >= 500:
+        kind = "server_error"
+    else:
+        kind = "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def redis_unavailable(exc: Exception) -> JSONResponse:
+def error_response(
+    status_code: int, message: str, headers: dict[str, str] | None = None, *, path: str = "",
+    param: str | None = None, code: str | None = None,
+) -> JSONResponse:
+    """The error in the shape its route speaks (`path`: the request's)."""
+    if path.startswith(OPENAI_PREFIX):
+        body = openai_error_body(status_code, message, param, code)
+    else:
+        body = {"error": HTTPStatus(status_code).phrase.lower().replace(" ", "_"), "message": message}
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+def redis_unavailable(exc: Exception, path: str = "") -> JSONResponse:
     return error_response(
-        503, f"the job store (Redis) is unreachable: {exc}; retry later", {"Retry-After": str(REDIS_RETRY_AFTER_S)}
+        503, f"the job store (Redis) is unreachable: {exc}; retry later", {"Retry-After": str(REDIS_RETRY_AFTER_S)},
+        path=path,
     )
 
 
+def _field(error: dict) -> str:
+    # Drop FastAPI's leading "body" so the field reads as the client spelled it.
+    return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+
+
 def describe_validation_errors(errors: list[dict]) -> str:
-    parts = []
-    for error in errors:
-        # Drop FastAPI's leading "body" so the field reads as the client spelled it.
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        field = ".".join(location)
-        parts.append(f"{field}: {error['msg']}" if field else error["msg"])
-    return "; ".join(parts)
+    return "; ".join(f"{_field(error)}: {error['msg']}" if _field(error) else error["msg"] for error in errors)
+
+
+def first_field(errors: list[dict]) -> str | None:
+    """The first invalid field's name, as the client spelled it (OpenAI's `param`)."""
+    return next((field for error in errors if (field := _field(error))), None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, str(exc.detail), getattr(exc, "headers", None), path=request.url.path,
+            param=getattr(exc, "param", None), code=getattr(exc, "code", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
+        path = request.url.path
         if any(error.get("type") == "json_invalid" for error in errors):
-            return error_response(400, "malformed JSON body: " + describe_validation_errors(errors))
+            return error_response(400, "malformed JSON body: " + describe_validation_errors(errors), path=path)
+        if path.startswith(OPENAI_PREFIX):
+            return error_response(400, describe_validation_errors(errors), path=path, param=first_field(errors))
         return error_response(422, describe_validation_errors(errors))
 
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
     async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis unreachable on %s %s: %s", request.method, request.url.path, exc)
-        return redis_unavailable(exc)
+        return redis_unavailable(exc, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal error; see the api log")
+        return error_response(500, "internal error; see the api log", path=request.url.path)

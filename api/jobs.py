@@ -1,5 +1,8 @@
 """The api's view of jobs in Redis: enqueue, read back as a ResultResponse, cancel.
 
+Two RQ queues: interactive requests, and batch lines (protocol.batch_queue_name), which
+workers take only when the interactive queue is empty.
+
 Blocking redis-py/RQ calls: FastAPI runs these endpoints in its threadpool.
 """
 
@@ -10,9 +13,11 @@ import time
 import uuid
 
 from redis import Redis
+from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
 from pagedq.protocol import (
@@ -26,6 +31,7 @@ from pagedq.protocol import (
     ResultResponse,
     Timings,
     Usage,
+    batch_queue_name,
     cancels_key,
 )
 from pagedq.settings import Settings
@@ -44,6 +50,33 @@ STATES: dict[str, JobState] = {
 }
 TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "canceled"})
 _BODY_HASH_META_KEY = "request_sha256"
+# Cancels the given jobs that are still queued, and takes them out of their queue in one
+# pass over it (an LREM per job would scan a long batch queue once per job).
+# KEYS: the queue, its canceled registry, the job hashes. ARGV: the canceled status, the
+# queued status, now, the job ids.
+_CANCEL_QUEUED = """
+local gone, count = {}, 0
+for i = 3, #KEYS do
+    if redis.call('HGET', KEYS[i], 'status') == ARGV[2] then
+        redis.call('HSET', KEYS[i], 'status', ARGV[1])
+        redis.call('ZADD', KEYS[2], ARGV[3], ARGV[i + 1])
+        gone[ARGV[i + 1]] = true
+        count = count + 1
+    end
+end
+if count > 0 then
+    local ids = redis.call('LRANGE', KEYS[1], 0, -1)
+    redis.call('DEL', KEYS[1])
+    local keep = {}
+    for _, id in ipairs(ids) do
+        if not gone[id] then keep[#keep + 1] = id end
+        if #keep == 1000 then redis.call('RPUSH', KEYS[1], unpack(keep)); keep = {} end
+    end
+    if #keep > 0 then redis.call('RPUSH', KEYS[1], unpack(keep)) end
+end
+return count
+"""
+_CANCEL_CHUNK = 2000
 
 
 class QueueFull(Exception):
@@ -71,42 +104,62 @@ def idempotent_seq_id(idempotency_key: str, api_key: str) -> str:
 
 
 class JobStore:
-    def __init__(self, connection: Redis, settings: Settings):
+    def __init__(self, connection: Redis, settings: Settings, on_enqueued=lambda queue, count: None):
+        """`on_enqueued(queue name, count)`: told of every enqueue (metrics)."""
         self.connection = connection
         self.settings = settings
         self.queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
+        self.batch_queue = Queue(batch_queue_name(settings.queue_name), connection=connection, serializer=JSONSerializer)
+        self.on_enqueued = on_enqueued
 
-    def submit(
-        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, api_key: str
-    ) -> tuple[str, JobState]:
-        if self.queue.count >= self.settings.max_queue_depth:
-            raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
-        body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
-        seq_id = idempotent_seq_id(idempotency_key, api_key) if idempotency_key else uuid.uuid4().hex
-        payload = JobPayload(
+    @staticmethod
+    def payload(request: GenerateRequest, prompt_token_ids: list[int], stream: bool = True) -> JobPayload:
+        return JobPayload(
             prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
             sampling=request.sampling_params(),
             beam=request.beam_search_params(),
             priority=request.priority,
             enqueued_at=time.time(),
+            stream=stream,
+        )
+
+    def _new_job(self, queue: Queue, seq_id: str, payload: JobPayload, meta: dict, result_ttl_s: int) -> Job:
+        return queue.create_job(
+            JOB_FUNCTION,
+            kwargs=payload.model_dump(mode="json"),
+            job_id=seq_id,
+            meta=meta,
+            description=f"generate {seq_id}",  # not the prompt: descriptions end up in logs
+            result_ttl=result_ttl_s,
+            failure_ttl=result_ttl_s,
+            timeout=self.settings.job_timeout_s,
+            retry=Retry(max=self.settings.job_retries) if self.settings.job_retries else None,
+        )
+
+    def submit(
+        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, api_key: str,
+        stream: bool = True,
+    ) -> tuple[str, JobState]:
+        """Queue an interactive job; `stream` false: nobody will follow its deltas."""
+        if self.queue.count >= self.settings.max_queue_depth:
+            raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
+        body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+        seq_id = idempotent_seq_id(idempotency_key, api_key) if idempotency_key else uuid.uuid4().hex
+        job = self._new_job(
+            self.queue, seq_id, self.payload(request, prompt_token_ids, stream), {_BODY_HASH_META_KEY: body_hash},
+            self.settings.result_ttl_s,
         )
         try:
-            self.queue.enqueue(
-                JOB_FUNCTION,
-                kwargs=payload.model_dump(mode="json"),
-                job_id=seq_id,
-                unique=True,
-                meta={_BODY_HASH_META_KEY: body_hash},
-                description=f"generate {seq_id}",  # not the prompt: descriptions end up in logs
-                result_ttl=self.settings.result_ttl_s,
-                failure_ttl=self.settings.result_ttl_s,
-                job_timeout=self.settings.job_timeout_s,
-                retry=Retry(max=self.settings.job_retries) if self.settings.job_retries else None,
-            )
+            self.queue.enqueue_job(job, unique=True)
         except DuplicateJobError:
             return seq_id, self._replay(seq_id, body_hash)
+        self.on_enqueued(self.queue.name, 1)
         return seq_id, "queued"
+
+    def enqueue_batch_line(self, pipeline: Pipeline, seq_id: str, payload: JobPayload, result_ttl_s: int) -> None:
+        """Queue one batch line's job in the caller's transaction (which the caller runs)."""
+        self.batch_queue.enqueue_job(self._new_job(self.batch_queue, seq_id, payload, {}, result_ttl_s), pipeline=pipeline)
 
     def _replay(self, seq_id: str, body_hash: str) -> JobState:
         """A resubmission with a known Idempotency-Key: the same job, if the body is the same."""
@@ -137,15 +190,18 @@ class JobStore:
             )
         progress = Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
         timings.first_token = progress.first_token
+        usage = None
+        if progress.attempt or state == "running":
+            # A job just started may not have its first progress written yet: its payload knows the prompt.
+            prompt_tokens = progress.prompt_tokens or len(job.kwargs.get("prompt_token_ids") or [])
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids))
         response = ResultResponse(
-            seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings,
-            usage=Usage(prompt_tokens=progress.prompt_tokens, completion_tokens=len(progress.token_ids))
-            if progress.attempt else None,
+            seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings, usage=usage,
         )
         if state == "canceled":
             response.finish_reason = "abort"
         elif state == "failed":
-            response.error = self._failure_message(job)
+            response.error = self.failure_message(job)
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
         return response
 
@@ -168,6 +224,49 @@ class JobStore:
                 pipeline.execute()
         return self.snapshot(seq_id)
 
+    def cancel_many(self, seq_ids: list[str]) -> None:
+        """Cancel many jobs at once (a batch's lines): queued ones never run, running ones
+        are aborted by their worker within a step. No stream "end" events: relays notice
+        the canceled status by themselves."""
+        jobs = [job for job in Job.fetch_many(seq_ids, self.connection, serializer=JSONSerializer) if job is not None]
+        running = []
+        by_queue: dict[str, list[Job]] = {}
+        for job in jobs:
+            state = job_state(job.get_status(refresh=False))
+            if state == "running":
+                running.append(job)
+            elif state == "queued":
+                by_queue.setdefault(job.origin, []).append(job)
+        for origin, queued in by_queue.items():
+            registry = CanceledJobRegistry(origin, connection=self.connection, serializer=JSONSerializer)
+            queue_key = Queue(origin, connection=self.connection, serializer=JSONSerializer).key
+            for start in range(0, len(queued), _CANCEL_CHUNK):
+                chunk = queued[start:start + _CANCEL_CHUNK]
+                self.connection.eval(
+                    _CANCEL_QUEUED, 2 + len(chunk), queue_key, registry.key, *(job.key for job in chunk),
+                    JobStatus.CANCELED.value, JobStatus.QUEUED.value, time.time(), *(job.id for job in chunk),
+                )
+        for job in running:
+            try:
+                job.cancel()
+            except InvalidJobOperation:
+                pass  # ended meanwhile
+        if running:
+            self.connection.incr(cancels_key(self.settings.queue_name))
+
+    def outcome(self, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
+        """A job's state, with its result when finished or its error when failed."""
+        job = self._fetch(seq_id)
+        if job is None:
+            return None, None, None
+        return self.job_outcome(job)
+
+    def job_outcome(self, job: Job) -> tuple[JobState, GenerationResult | None, str | None]:
+        state = job_state(job.get_status(refresh=False)) or "queued"
+        if state == "finished":
+            return state, GenerationResult.model_validate(job.return_value()), None
+        return state, None, self.failure_message(job) if state == "failed" else None
+
     def _fetch(self, seq_id: str) -> Job | None:
         try:
             return Job.fetch(seq_id, connection=self.connection, serializer=JSONSerializer)
@@ -175,7 +274,7 @@ class JobStore:
             return None
 
     @staticmethod
-    def _failure_message(job: Job) -> str:
+    def failure_message(job: Job) -> str:
         result = job.latest_result()
         exc_string = (result.exc_string if result is not None else None) or ""
         # The exception's own line, not the worker's traceback.

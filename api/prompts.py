@@ -36,6 +36,20 @@ class PromptChecker:
         self._check_length(len(ids), request.max_tokens)
         return ids
 
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the checkpoint's chat template, as token ids."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
+        with self._lock:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        # transformers 5 answers a BatchEncoding, earlier versions a list.
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (a token that ends mid-character decodes to U+FFFD)."""
+        with self._lock:
+            return [self.tokenizer.decode([token_id]) for token_id in ids]
+
     def _check_token_ids(self, field: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:

@@ -33,6 +33,8 @@ STREAM_ID_PATTERN = r"^\d+-\d+$"
 log = logging.getLogger("pagedq.api")
 
 Entry = tuple[str, dict[str, str]]
+# (kind, data, entry id): `delta` {text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
+Event = tuple[str, dict, str | None]
 
 
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
@@ -138,12 +140,14 @@ class StreamReader:
         finish_reason}. Redis going away mid-stream ends the response without `end`: the
         client reconnects with Last-Event-ID (and gets 503 until Redis is back)."""
         try:
-            async for frames in self._relay(seq_id, last_event_id or "0-0"):
-                yield frames
+            async for events in self.relay(seq_id, last_event_id or "0-0"):
+                # One chunk per batch: fewer, larger writes when many tokens arrive together.
+                yield "".join(_sse(kind, data, event_id) for kind, data, event_id in events)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("stream %s: Redis unreachable (%s); closing the stream", seq_id, exc)
 
-    async def _relay(self, seq_id: str, cursor: str) -> AsyncIterator[str]:
+    async def relay(self, seq_id: str, cursor: str = "0-0") -> AsyncIterator[list[Event]]:
+        """The job's events after `cursor`, a batch at a time, until (and with) `end`."""
         async with self.hub.follow(seq_id, cursor) as batches:
             terminal_seen = False
             while True:
@@ -151,15 +155,14 @@ class StreamReader:
                 if batch is None:
                     if terminal_seen:
                         # Ended without an "end" entry, and everything written has been relayed.
-                        yield _sse("end", {"status": await self.state(seq_id), "finish_reason": None})
+                        yield [("end", {"status": await self.state(seq_id), "finish_reason": None}, None)]
                         return
                     state = await self.state(seq_id)
                     terminal_seen = state is None or state in TERMINAL
                     continue
-                # One chunk per batch: fewer, larger writes when many tokens arrive together.
-                frames, ended = _frames(batch)
-                yield frames
-                if ended:
+                events = _events(batch)
+                yield events
+                if events and events[-1][0] == "end":
                     return
 
     async def wait_until_done(self, seq_id: str, timeout_s: float) -> None:
@@ -183,11 +186,11 @@ class StreamReader:
                     return
 
 
-def _frames(batch: list[Entry]) -> tuple[str, bool]:
-    """The SSE text of a batch of stream entries, and whether it holds the end. Consecutive
-    deltas merge into one (the last one's id and count), so a client that fell behind
-    catches up in one event instead of one per token."""
-    frames = []
+def _events(batch: list[Entry]) -> list[Event]:
+    """The events of a batch of stream entries, up to an `end`. Consecutive deltas merge
+    into one (the last one's id and count), so a client that fell behind catches up in
+    one event instead of one per token."""
+    events: list[Event] = []
     text, last_delta = [], None
     for entry_id, fields in [*batch, ("", {})]:
         kind = fields.get("type")
@@ -197,12 +200,12 @@ def _frames(batch: list[Entry]) -> tuple[str, bool]:
             continue
         if last_delta is not None:
             delta_id, delta = last_delta
-            frames.append(_sse("delta", {"text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}, delta_id))
+            events.append(("delta", {"text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}, delta_id))
             text, last_delta = [], None
         if kind == EVENT_RESET:
-            frames.append(_sse("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
+            events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
         elif kind == EVENT_END:
             end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}
-            frames.append(_sse("end", end, entry_id))
-            return "".join(frames), True
-    return "".join(frames), False
+            events.append(("end", end, entry_id))
+            break
+    return events

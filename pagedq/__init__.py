@@ -1,4 +1,5 @@
-"""pagedq: continuous batching over a paged KV cache, offline (`LLM`) or as a Redis-backed service.
+"""pagedq: continuous batching over a paged KV cache, offline (`LLM`) or as a Redis-backed service
+(`Client` talks to it).
 
 The contracts (SamplingParams, outputs) import cheaply; the engine and its torch/model
 code load only when `LLM` or `LLMEngine` is first touched, so the api process never
@@ -10,6 +11,7 @@ from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutpu
 from pagedq.sampling_params import SamplingParams
 
 __all__ = [
+    "Client",
     "LLM",
     "LLMEngine",
     "EngineArgs",
@@ -23,7 +25,7 @@ __all__ = [
     "Logprob",
 ]
 
-_LAZY = {"LLM": "pagedq.llm", "LLMEngine": "pagedq.engine", "EngineArgs": "pagedq.config"}
+_LAZY = {"LLM": "pagedq.llm", "LLMEngine": "pagedq.engine", "EngineArgs": "pagedq.config", "Client": "pagedq.client"}
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "pagedq.commands.make_tiny_model",
     "pagedq.commands.bench",
     "pagedq.commands.service",
+    "pagedq.commands.batch",
 )
 
 

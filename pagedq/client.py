@@ -5,16 +5,26 @@
     for delta in client.stream(seq_id):
         print(delta, end="")
     client.result(seq_id, wait=30)["text"]
+
+    batch = client.batch_submit(jsonl_bytes, "/v1/completions")   # OpenAI's batch input format
+    batch = client.batch_wait(batch["id"])
+    output, errors = client.batch_results(batch["id"])             # OpenAI's output lines (bytes)
+
+`batch_submit` is resumable: the same input and endpoint give the same batch, whether it
+is still running, done, or was cut off half-way through being created.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+
+BATCH_TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 class ClientError(Exception):
@@ -109,22 +119,87 @@ class Client:
                 raise ServiceUnreachable(self.base_url, reason)
             time.sleep(min(2.0, 0.25 * 2**failures))
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> dict:
+    # ---- OpenAI-compatible models and the Batch API -------------------------------------
+
+    def models(self) -> list[dict]:
+        return self._request("GET", "/v1/models")["data"]
+
+    def upload_file(self, content: bytes, filename: str = "batch.jsonl", idempotency_key: str | None = None) -> dict:
+        """POST /v1/files (purpose "batch"); the same Idempotency-Key and content give the same file."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._request("POST", "/v1/files", files={"file": (filename, content)}, data={"purpose": "batch"},
+                             headers=headers)
+
+    def file_content(self, file_id: str) -> bytes:
+        return self._request("GET", f"/v1/files/{file_id}/content", raw=True)
+
+    def batch_create(
+        self, input_file_id: str, endpoint: str, completion_window: str = "24h", metadata: dict | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        body = {"input_file_id": input_file_id, "endpoint": endpoint, "completion_window": completion_window}
+        if metadata:
+            body["metadata"] = metadata
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        # Creating a batch queues its lines before answering: allow for a large file.
+        return self._request("POST", "/v1/batches", json=body, headers=headers, timeout=max(self._http.timeout.read, 300))
+
+    def batch_submit(self, jsonl: bytes, endpoint: str, filename: str = "batch.jsonl") -> dict:
+        """Upload `jsonl` and create its batch, idempotently: keys derived from the content
+        and endpoint, so running this again finds the same file and batch."""
+        digest = hashlib.sha256(jsonl).hexdigest()
+        uploaded = self.upload_file(jsonl, filename, idempotency_key=f"batch-input-{digest}")
+        return self.batch_create(uploaded["id"], endpoint, idempotency_key=f"batch-{digest}-{endpoint}")
+
+    def batch_get(self, batch_id: str) -> dict:
+        return self._request("GET", f"/v1/batches/{batch_id}")
+
+    def batch_list(self, limit: int = 20, after: str | None = None) -> dict:
+        params = {"limit": limit, **({"after": after} if after else {})}
+        return self._request("GET", "/v1/batches", params=params)
+
+    def batch_cancel(self, batch_id: str) -> dict:
+        return self._request("POST", f"/v1/batches/{batch_id}/cancel")
+
+    def batch_wait(self, batch_id: str, poll_s: float = 1.0, on_update: Callable[[dict], None] | None = None) -> dict:
+        """Poll until the batch has ended (completed, failed, expired or cancelled)."""
+        while True:
+            batch = self.batch_get(batch_id)
+            if on_update is not None:
+                on_update(batch)
+            if batch["status"] in BATCH_TERMINAL:
+                return batch
+            time.sleep(poll_s)
+
+    def batch_results(self, batch_id: str) -> tuple[bytes, bytes]:
+        """The output and error files' contents (OpenAI's JSONL) of an ended batch."""
+        batch = self.batch_get(batch_id)
+        if batch["status"] not in BATCH_TERMINAL:
+            counts = batch["request_counts"]
+            raise ClientError(409, f"batch {batch_id} is {batch['status']} "
+                              f"({counts['completed'] + counts['failed']}/{counts['total']} done)")
+        output = self.file_content(batch["output_file_id"]) if batch.get("output_file_id") else b""
+        errors = self.file_content(batch["error_file_id"]) if batch.get("error_file_id") else b""
+        return output, errors
+
+    def _request(self, method: str, path: str, raw: bool = False, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise ServiceUnreachable(self.base_url, str(exc) or type(exc).__name__) from exc
         if response.status_code >= 400:
             raise self._error(response)
-        return response.json()
+        return response.content if raw else response.json()
 
     @staticmethod
     def _error(response: httpx.Response) -> ClientError:
         try:
-            message = response.json().get("message") or response.text
-        except ValueError:
-            message = response.text
-        return ClientError(response.status_code, message)
+            error = response.json()
+            # /v1 answers OpenAI's {"error": {"message": ...}}, the rest {"error": kind, "message": ...}.
+            message = error["error"]["message"] if isinstance(error.get("error"), dict) else error.get("message")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message = None
+        return ClientError(response.status_code, message or response.text)
 
 
 class SSEParser:

@@ -35,6 +35,12 @@ def stream_key(seq_id: str) -> str:
     return f"pagedq:stream:{seq_id}"
 
 
+def batch_queue_name(queue_name: str) -> str:
+    """The RQ queue of batch requests (/v1/batches lines). Workers take from it only when
+    the interactive queue is empty, so a large batch never stands in front of a request."""
+    return f"{queue_name}.batch"
+
+
 def cancels_key(queue_name: str) -> str:
     """A counter the api bumps on every cancel, so workers look for canceled jobs only
     when it changes instead of reading every in-flight job's status every engine step."""
@@ -98,6 +104,9 @@ class JobPayload(BaseModel):
     beam: BeamSearchParams | None = None
     priority: int = 0
     enqueued_at: float
+    # False: no text deltas go to the job's Redis stream (batch lines: nobody follows them,
+    # and ten thousand streams of every token would only fill Redis).
+    stream: bool = True
 
     @property
     def engine_params(self) -> SamplingParams | BeamSearchParams:

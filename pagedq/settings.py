@@ -19,6 +19,9 @@ class Settings(BaseSettings):
     # Where things are.
     redis_url: str | None = Field(None, description="None: `pagedq up` launches a local Redis.")
     model: str | None = Field(None, description="Local Hugging Face checkpoint directory.")
+    served_model_name: str | None = Field(
+        None, description="The model's id on /v1 (default: the checkpoint directory's name; its path is accepted too)."
+    )
     queue_name: str = Field("pagedq", pattern=r"^[A-Za-z0-9_.:-]+$")
     cache_dir: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "pagedq",
@@ -49,6 +52,22 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     max_wait_s: float = Field(60.0, gt=0, description="Upper bound of GET /result?wait=.")
+    completion_timeout_s: float = Field(
+        600.0, gt=0, description="Non-streaming /v1 completions wait this long for their job; then it is canceled (504).",
+    )
+
+    # Batch API (/v1/files, /v1/batches).
+    files_dir: Path | None = Field(
+        None, description="Where uploaded and batch output files live; None: in Redis. Every api replica must see it.",
+    )
+    max_file_bytes: int = Field(100 << 20, ge=1, description="Largest file POST /v1/files accepts.")
+    max_batch_requests: int = Field(50_000, ge=1, description="Most requests (lines) in one batch input file.")
+    files_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="Files and batch records are kept this long.")
+    batch_priority: int = Field(10, description="Engine priority of batch requests (interactive ones default to 0; lower runs first).")
+    reserved_interactive_slots: int = Field(
+        16, ge=0, description="Of each worker's capacity, slots batch jobs never take (at least one is left to batches).",
+    )
+    batch_poll_interval_s: float = Field(2.0, gt=0, description="How often the api advances the batches in progress.")
 
     # Job lifetimes.
     result_ttl_s: int = Field(24 * 3600, ge=1)
@@ -65,6 +84,10 @@ class Settings(BaseSettings):
         0.0, ge=0, description="Min seconds between one job's streamed deltas after its first token (0: every engine step)."
     )
     drain_timeout_s: float = Field(10.0, ge=0, description="SIGTERM: finish in-flight jobs for this long, then requeue.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="The worker serves Prometheus /metrics on PAGEDQ_HOST at this port "
+        "(None: off; 0: any free port, shown by GET /ready).",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -94,6 +117,11 @@ class Settings(BaseSettings):
                 value = ",".join(v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in value)
             env[f"PAGEDQ_{name.upper()}"] = str(value)
         return env
+
+    @property
+    def model_id(self) -> str:
+        """The served model's id on /v1."""
+        return self.served_model_name or Path(self.require_model()).name
 
     def require_model(self) -> str:
         if not self.model:

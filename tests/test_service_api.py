@@ -123,6 +123,23 @@ def test_auth_is_required_and_keys_stay_out_of_the_logs(api, caplog):
     assert "POST /generate" in caplog.text  # the access log was captured
 
 
+def test_v1_needs_a_key_too_and_answers_in_openai_shape(api):
+    with httpx.Client(base_url=api.url, timeout=10) as anonymous:
+        for response in (
+            anonymous.get("/v1/models"),
+            anonymous.post("/v1/completions", json={"model": "m", "prompt": "hi"}),
+            anonymous.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": "batch"}),
+            anonymous.get("/v1/batches", headers={"Authorization": "Bearer not-the-key"}),
+        ):
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "authentication_error"
+        assert anonymous.get("/v1/models", headers=AUTH).status_code == 200
+        # A body over PAGEDQ_MAX_BODY_BYTES on /v1: 413, OpenAI-shaped.
+        big = anonymous.post("/v1/completions", json={"model": "m", "prompt": "x" * 5000}, headers=AUTH)
+        assert big.status_code == 413 and "larger than the limit" in big.json()["error"]["message"]
+        assert anonymous.get("/metrics").status_code == 200  # scrapers need no key
+
+
 def test_submit_answers_202_and_the_job_waits_queued(client, api, redis_server):
     response = client.post("/generate", json={"prompt": "Hello there", "max_tokens": 5, "temperature": 0})
     assert response.status_code == 202

@@ -4,7 +4,7 @@ The batch worker (worker/rq_worker.py) never calls it: it reads the same payload
 runs many jobs through one engine. This function is the fallback that lets a plain
 `rq worker` run the service's jobs one at a time with the same result schema:
 
-    PAGEDQ_MODEL=/path/to/ckpt rq worker pagedq --serializer rq.serializers.JSONSerializer \
+    PAGEDQ_MODEL=/path/to/ckpt rq worker pagedq pagedq.batch --serializer rq.serializers.JSONSerializer \
         --worker-class rq.worker.SimpleWorker
 
 (SimpleWorker keeps the engine cached between jobs; the forking Worker rebuilds it each job.)
@@ -43,7 +43,7 @@ def generate(**payload: Any) -> dict:
     started_at = time.time()
 
     with job.connection.pipeline() as pipeline:
-        publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids))
+        publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
     engine.add_request(
         job.id,

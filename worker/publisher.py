@@ -75,6 +75,7 @@ def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s:
 class _Published:
     job: Job
     progress: Progress
+    stream: bool
     output: RequestOutput | None = None
     # How much of the output the stream has.
     sent_chars: int = 0
@@ -94,11 +95,12 @@ class ProgressPublisher:
         # Jobs whose recorded output the pending publish() carries in full.
         self._sending: set[str] = set()
 
-    def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int) -> None:
-        """Called when a job (re)starts running; records the attempt number."""
+    def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int, stream: bool = True) -> None:
+        """Called when a job (re)starts running; records the attempt number. `stream`
+        false: only partial results, no deltas (JobPayload.stream)."""
         attempt = read_progress(job).attempt + 1
         progress = Progress(prompt_tokens=prompt_tokens, attempt=attempt)
-        self._jobs[job.id] = _Published(job, progress)
+        self._jobs[job.id] = _Published(job, progress, stream)
         self._dirty.discard(job.id)
         write_progress(pipeline, job, progress)
         if attempt > 1:
@@ -129,10 +131,10 @@ class ProgressPublisher:
             completion = state.output.outputs[0]
             # The first token and the last go at once; in between a job's deltas are batched
             # to one per stream_interval_s (what is held back stays dirty for a later step).
-            if state.sent_tokens and not state.output.finished and now < state.next_delta_at:
+            if state.stream and state.sent_tokens and not state.output.finished and now < state.next_delta_at:
                 continue
             self._sending.add(seq_id)
-            if len(completion.token_ids) > state.sent_tokens:
+            if state.stream and len(completion.token_ids) > state.sent_tokens:
                 state.next_delta_at = now + self.stream_interval_s
                 streams.append(stream_key(seq_id))
                 deltas += [completion.text[state.sent_chars:], len(completion.token_ids), int(state.sent_tokens == 0)]

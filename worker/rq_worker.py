@@ -6,18 +6,23 @@ so `rq info`, `Job.fetch(id).get_status()` and `return_value()` tell the truth, 
 replaces the work loop. One tick:
 
 1. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
-   checked often), and read the suspension flag;
+   checked often) and the ids a dead worker took from a queue but never started, and read
+   the suspension flag;
 2. heartbeat, when due: the worker and every execution, in one pipeline;
 3. step the engine once;
 4. one round trip to Redis (`_sync_with_redis`): every job's new text goes to its stream,
    the engine stats to the worker's hash, the api's cancel counter comes back, and so do
    up to the free capacity of new job ids (taken only while the engine has no backlog,
-   so queued jobs stay in Redis for other workers). Jobs no longer ours (canceled,
+   so queued jobs stay in Redis for other workers): from the interactive queue first, then
+   from the batch queue (protocol.batch_queue_name), whose jobs never fill the slots
+   reserved for interactive ones (`reserved_interactive_slots`). Jobs no longer ours (canceled,
    deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
    at once; a job named by RQ's stop-job command fails as STOPPED;
 5. finish completed jobs through RQ's success path;
 6. mark the new jobs started in one transaction and hand them to the engine (or, idle,
    block on the queue for a second).
+
+Metrics (pagedq.metrics, on `metrics_port`) cost the loop a few additions per output.
 
 Each execution is its own engine request (its id is the request id), so a job that comes
 back to this worker after being requeued can never be confused with its earlier run.
@@ -46,12 +51,14 @@ from rq import worker_registration
 from rq.command import parse_payload
 from rq.executions import Execution
 from rq.job import Job, JobStatus
+from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.utils import as_text
 from rq.worker import BaseWorker, WorkerStatus
 
-from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, cancels_key
+from pagedq.metrics import WorkerMetrics
+from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, batch_queue_name, cancels_key
 from pagedq.settings import Settings
 from worker.publisher import ProgressPublisher, publish_end
 
@@ -62,28 +69,39 @@ if TYPE_CHECKING:
 # One round trip per tick for what the worker must learn from Redis:
 # 1. the api's cancel counter (see protocol.cancels_key);
 # 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
-#    requeued), run by another worker, or this execution gone from the started registry
-#    (reaped after a stall); their positions, 1-based;
-# 3. up to ARGV[3] new job ids, moved from the queue to its intermediate list (RQ's
-#    crash-safe hand-off).
-# KEYS: the started registry, the queue, its intermediate list, the cancel counter, then
-# the hashes of the jobs to check. ARGV: the started status, this worker's name, how many
-# ids to take, then each checked job's execution composite key.
+#    requeued), run by another worker, or this execution gone from its queue's started
+#    registry (reaped after a stall); their positions, 1-based;
+# 3. up to ARGV[3] new job ids, moved from a queue to its intermediate list (RQ's
+#    crash-safe hand-off): from each queue in turn, at most its own limit from each;
+# 4. each queue's length after that.
+# KEYS: the cancel counter, (queue, intermediate list) per queue in order of preference,
+# then (job hash, its queue's started registry) per checked job. ARGV: the started status,
+# this worker's name, how many ids to take, the number of queues, each queue's limit, then
+# each checked job's execution composite key.
 _SYNC = """
+local queues = tonumber(ARGV[4])
+local first_job = 2 + 2 * queues
 local lost = {}
-for i = 5, #KEYS do
+for i = first_job, #KEYS, 2 do
+    local n = (i - first_job) / 2 + 1
     local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
-    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[1], ARGV[i - 1]) then
-        lost[#lost + 1] = i - 4
+    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[i + 1], ARGV[4 + queues + n]) then
+        lost[#lost + 1] = n
     end
 end
-local taken = {}
-for _ = 1, tonumber(ARGV[3]) do
-    local id = redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT')
-    if not id then break end
-    taken[#taken + 1] = id
+local taken, depths = {}, {}
+local want = tonumber(ARGV[3])
+for q = 1, queues do
+    local limit = tonumber(ARGV[4 + q])
+    while #taken < want and limit > 0 do
+        local id = redis.call('LMOVE', KEYS[2 * q], KEYS[2 * q + 1], 'LEFT', 'RIGHT')
+        if not id then break end
+        taken[#taken + 1] = id
+        limit = limit - 1
+    end
+    depths[q] = redis.call('LLEN', KEYS[2 * q])
 end
-return {redis.call('GET', KEYS[4]) or '0', lost, taken}
+return {redis.call('GET', KEYS[1]) or '0', lost, taken, depths}
 """
 # How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
 _IDLE_WAIT_S = 1.0
@@ -98,11 +116,15 @@ class JobStopped(Exception):
 @dataclass
 class InFlight:
     job: Job
+    queue: Queue
     execution: Execution
     payload: JobPayload
     started_at: float
     # The engine's final output, kept until RQ has recorded the result.
     final: RequestOutput | None = None
+    # For the inter-token latency: tokens seen so far, and when the last one came.
+    num_tokens: int = 0
+    last_token_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -114,7 +136,7 @@ class BatchWorker(BaseWorker):
 
     def __init__(self, engine: LLMEngine, settings: Settings, connection: Redis):
         super().__init__(
-            [settings.queue_name],
+            [settings.queue_name, batch_queue_name(settings.queue_name)],  # in order of preference
             connection=connection,
             serializer=JSONSerializer,
             worker_ttl=settings.heartbeat_ttl_s,
@@ -122,11 +144,17 @@ class BatchWorker(BaseWorker):
         )
         self.engine = engine
         self.settings = settings
-        self.queue = self.queues[0]
+        self.queue, self.batch_queue = self.queues
+        self._queues_by_name = {queue.name: queue for queue in self.queues}
         # By engine request id (= execution id).
         self.inflight: dict[str, InFlight] = {}
         self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
+        self.batch_capacity = max(1, self.capacity - settings.reserved_interactive_slots)
+        self.metrics = WorkerMetrics([queue.name for queue in self.queues])
+        self.metrics_port: int | None = None
+        # (queue name, job id) -> when the reaper first saw the id stranded in the queue's intermediate list.
+        self._stranded_since: dict[tuple[str, str], float] = {}
         # Job ids named by stop-job commands; filled by RQ's pubsub thread.
         self._stop_requests: set[str] = set()
         self._draining = False
@@ -141,6 +169,22 @@ class BatchWorker(BaseWorker):
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return self.settings.heartbeat_ttl_s
+
+    def serialize(self) -> dict:
+        # In the worker's hash, so GET /ready can say where to scrape an ephemeral port.
+        fields = super().serialize()
+        if self.metrics_port is not None:
+            fields["metrics_port"] = self.metrics_port
+        return fields
+
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry=None, exc_string="", execution=None):
+        # Every failure path of this worker ends here (RQ decides on the retry).
+        requeued = job.should_retry and self._stopped_job_id != job.id
+        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
+        if requeued:
+            self.metrics.jobs_requeued += 1
+        else:
+            self.metrics.jobs_failed += 1
 
     def _shutdown(self) -> None:
         # RQ raises StopRequested here when idle; we drain from the loop instead.
@@ -169,6 +213,8 @@ class BatchWorker(BaseWorker):
     # ---- the loop -------------------------------------------------------------------
 
     def work(self, logging_level: str = "INFO") -> None:  # type: ignore[override]
+        if self.settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
         self.bootstrap(logging_level)
         self._install_signal_handlers()
         try:
@@ -201,8 +247,17 @@ class BatchWorker(BaseWorker):
             self._wait_for_work()
 
     def _reap(self) -> None:
-        """Requeue (or fail, when out of retries) the jobs of workers that stopped beating."""
-        self.queue.started_job_registry.cleanup()
+        """Requeue (or fail, when out of retries) the jobs of workers that stopped beating,
+        and requeue the ids they took but never started."""
+        for queue in self.queues:
+            registry = queue.started_job_registry
+            abandoned = registry.get_expired_job_ids()
+            registry.cleanup()
+            if abandoned:
+                statuses = [job.get_status(refresh=False) if job else None
+                            for job in Job.fetch_many(abandoned, self.connection, serializer=self.serializer)]
+                self.metrics.jobs_requeued += statuses.count(JobStatus.QUEUED)
+            self._requeue_stranded(queue)
         suspended = bool(is_suspended(self.connection))
         if suspended != self._suspended:
             self._suspended = suspended
@@ -210,6 +265,35 @@ class BatchWorker(BaseWorker):
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         self._next_reap = time.monotonic() + self.settings.reaper_interval_s
+
+    def _requeue_stranded(self, queue: Queue) -> None:
+        """Ids that sat in the queue's intermediate list for a heartbeat TTL without being
+        started were taken by a worker that died before starting them (a live one starts
+        what it takes within its tick): back to the queue's front. RQ's own maintenance
+        does this only after minutes."""
+        now = time.monotonic()
+        ids = [as_text(i) for i in self.connection.lrange(queue.intermediate_queue_key, 0, -1)]
+        seen = {(queue.name, job_id): self._stranded_since.get((queue.name, job_id), now) for job_id in ids}
+        self._stranded_since = {key: since for key, since in self._stranded_since.items() if key[0] != queue.name}
+        self._stranded_since.update(seen)
+        stale = [job_id for (_, job_id), since in seen.items() if now - since >= self.settings.heartbeat_ttl_s]
+        for job_id in stale:
+            with self.connection.pipeline() as pipeline:
+                try:
+                    # A stalled worker that starts it meanwhile changes its hash: then it is that worker's.
+                    pipeline.watch(Job.key_for(job_id))
+                    queued = pipeline.hget(Job.key_for(job_id), "status") == JobStatus.QUEUED.value.encode()
+                    pipeline.multi()
+                    pipeline.lrem(queue.intermediate_queue_key, 1, job_id)
+                    if queued:  # else canceled or deleted: nothing to run
+                        pipeline.lpush(queue.key, job_id)
+                    pipeline.execute()
+                except redis.exceptions.WatchError:
+                    continue
+            del self._stranded_since[(queue.name, job_id)]
+            if queued:
+                self.log.warning("Worker %s: requeued %s, stranded by a dead worker in %s", self.name, job_id, queue.name)
+                self.metrics.jobs_requeued += 1
 
     # ---- admission and in-flight checks --------------------------------------------
 
@@ -225,13 +309,16 @@ class BatchWorker(BaseWorker):
         here too."""
         entries = list(self.inflight.values())
         full = full or time.monotonic() >= self._next_full_check
-        take = 0
+        take = batch_take = 0
         if admit and not self._draining and not self._suspended and self.engine.stats()["num_waiting"] == 0:
-            take = max(0, self.capacity - len(entries))
+            # Jobs the engine has finished are recorded in this tick: their slots are free already.
+            running = [entry for entry in entries if entry.final is None]
+            take = max(0, self.capacity - len(running))
+            batch_take = max(0, self.batch_capacity - sum(entry.queue is self.batch_queue for entry in running))
         checked = entries if full else [entry for entry in entries if entry.final is not None]
-        cancels, lost, taken = self._redis_sync(checked, take, publish=True)
+        cancels, lost, taken = self._redis_sync(checked, take, batch_take, publish=True)
         if not full and cancels != self._cancels_seen:
-            _, lost, _ = self._redis_sync(entries, 0)
+            _, lost, _ = self._redis_sync(entries, 0, 0)
             full = True
         self._cancels_seen = cancels
         if full:
@@ -243,20 +330,25 @@ class BatchWorker(BaseWorker):
         return taken
 
     def _redis_sync(
-        self, checked: list[InFlight], take: int, publish: bool = False
+        self, checked: list[InFlight], take: int, batch_take: int, publish: bool = False
     ) -> tuple[bytes, list[InFlight], list[str]]:
-        keys = [self.queue.started_job_registry.key, self.queue.key, self.queue.intermediate_queue_key,
-                cancels_key(self.queue.name), *(entry.job.key for entry in checked)]
-        args = [JobStatus.STARTED.value, self.name, take, *(entry.execution.composite_key for entry in checked)]
+        keys = [cancels_key(self.queue.name)]
+        for queue in self.queues:
+            keys += [queue.key, queue.intermediate_queue_key]
+        for entry in checked:
+            keys += [entry.job.key, entry.queue.started_job_registry.key]
+        args = [JobStatus.STARTED.value, self.name, take, len(self.queues), take, batch_take,
+                *(entry.execution.composite_key for entry in checked)]
         with self.connection.pipeline(transaction=False) as pipeline:
             if publish:
                 self.publisher.publish(pipeline)
                 self._publish_engine_stats(pipeline)
             # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
             pipeline.eval(_SYNC, len(keys), *keys, *args)
-            cancels, lost_positions, taken = pipeline.execute()[-1]
+            cancels, lost_positions, taken, depths = pipeline.execute()[-1]
         if publish:
             self.publisher.published()
+        self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, depths)}
         return cancels, [checked[position - 1] for position in lost_positions], [as_text(i) for i in taken]
 
     def _wait_for_work(self) -> None:
@@ -279,7 +371,9 @@ class BatchWorker(BaseWorker):
                     pipeline.multi()
                     started: list[tuple[Job, Execution]] = []
                     for job_id, job in zip(ids, jobs):
-                        pipeline.lrem(self.queue.intermediate_queue_key, 1, job_id)
+                        queues = [self._queues_by_name.get(job.origin, self.queue)] if job is not None else self.queues
+                        for queue in queues:
+                            pipeline.lrem(queue.intermediate_queue_key, 1, job_id)
                         if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
                             continue  # deleted or canceled while in transit
                         execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
@@ -297,6 +391,7 @@ class BatchWorker(BaseWorker):
             pipeline.execute()
 
     def _hand_to_engine(self, job: Job, execution: Execution, pipeline) -> None:
+        queue = self._queues_by_name.get(job.origin, self.queue)
         try:
             if job.func_name != JOB_FUNCTION:
                 raise ValueError(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
@@ -310,10 +405,10 @@ class BatchWorker(BaseWorker):
             )
         except Exception:
             job.retries_left = 0  # bad input fails the same way on every attempt
-            self._finalize_failure(job, self.queue, execution, sys.exc_info())
+            self._finalize_failure(job, queue, execution, sys.exc_info())
             return
-        self.inflight[execution.id] = InFlight(job, execution, payload, started_at=time.time())
-        self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids))
+        self.inflight[execution.id] = InFlight(job, queue, execution, payload, started_at=time.time())
+        self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids), stream=payload.stream)
 
     def _drop(self, lost: list[InFlight]) -> None:
         """Canceled, deleted, or reaped and requeued after a stall: no longer ours to
@@ -331,7 +426,7 @@ class BatchWorker(BaseWorker):
         for entry in [entry for entry in self.inflight.values() if entry.job.id in requested]:
             self._forget([entry])
             self._stopped_job_id = entry.job.id  # RQ then marks it STOPPED, never retried
-            self._finalize_failure(entry.job, self.queue, entry.execution, (JobStopped, JobStopped("stopped by request"), None))
+            self._finalize_failure(entry.job, entry.queue, entry.execution, (JobStopped, JobStopped("stopped by request"), None))
 
     def _forget(self, entries: list[InFlight]) -> None:
         self.engine.abort_request([entry.request_id for entry in entries])
@@ -347,11 +442,17 @@ class BatchWorker(BaseWorker):
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
+        now = time.time()
         for output in outputs:
             entry = self.inflight.get(output.request_id)
             if entry is None:
                 continue  # dropped before this step
             self.publisher.update(entry.job.id, output)
+            num_tokens = len(output.outputs[0].token_ids)
+            if num_tokens > entry.num_tokens:
+                if entry.num_tokens:
+                    self.metrics.inter_token_latency.observe(now - entry.last_token_at)
+                entry.num_tokens, entry.last_token_at = num_tokens, now
             if output.finished:
                 entry.final = output
 
@@ -371,7 +472,8 @@ class BatchWorker(BaseWorker):
         job = entry.job
         payload = entry.payload
         result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
-        self._finalize_success(job, self.queue, entry.execution, result.model_dump(mode="json"))
+        self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
+        self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
         return job.id, result.finish_reason or ""
@@ -383,17 +485,16 @@ class BatchWorker(BaseWorker):
         entries = list(self.inflight.values())
         self._forget(entries)
         for entry in entries:
-            self._finalize_failure(entry.job, self.queue, entry.execution, exc_info)
+            self._finalize_failure(entry.job, entry.queue, entry.execution, exc_info)
 
     # ---- heartbeats and shutdown ----------------------------------------------------
 
     def _heartbeat(self) -> None:
         ttl = self.settings.heartbeat_ttl_s
-        registry = self.queue.started_job_registry
         with self.connection.pipeline(transaction=False) as pipeline:
             self.heartbeat(ttl, pipeline=pipeline)
             for entry in self.inflight.values():
-                entry.execution.heartbeat(registry, ttl, pipeline)
+                entry.execution.heartbeat(entry.queue.started_job_registry, ttl, pipeline)
             state = WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE
             self.set_state(state, pipeline)
             self._publish_engine_stats(pipeline)
@@ -409,8 +510,9 @@ class BatchWorker(BaseWorker):
 
     def _publish_engine_stats(self, pipeline) -> None:
         """The engine's block accounting in the worker's hash, for /ready (and tests).
-        Sent with every step's round trip, so it is at most one step old."""
-        pipeline.hset(self.key, "engine_stats", json.dumps(self.engine.stats()))
+        Sent with every step's round trip, so it is at most one step old; the metrics read it too."""
+        self.metrics.engine_stats = self.engine.stats()
+        pipeline.hset(self.key, "engine_stats", json.dumps(self.metrics.engine_stats))
 
     def _requeue_inflight(self) -> None:
         if not self.inflight:
@@ -425,7 +527,8 @@ class BatchWorker(BaseWorker):
         # One at a time (enqueue_job opens its own transaction), last first, so they
         # stand at the queue's front in the order they came.
         for entry in reversed(entries):
-            self.queue.enqueue_job(entry.job, at_front=True)
+            entry.queue.enqueue_job(entry.job, at_front=True)
+        self.metrics.jobs_requeued += len(entries)
 
 
 def run_worker(settings: Settings) -> None:

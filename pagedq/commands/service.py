@@ -37,7 +37,7 @@ def register(subparsers) -> None:
     worker.set_defaults(handler=cmd_worker)
 
     submit = subparsers.add_parser("submit", help="submit a prompt to a running service")
-    _client_flags(submit)
+    client_flags(submit)
     submit.add_argument("prompt")
     mode = submit.add_mutually_exclusive_group()
     mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
@@ -54,13 +54,13 @@ def register(subparsers) -> None:
     submit.set_defaults(handler=cmd_submit)
 
     result = subparsers.add_parser("result", help="show a job's status and (partial) result")
-    _client_flags(result)
+    client_flags(result)
     result.add_argument("seq_id")
     result.add_argument("--wait", type=float, help="wait up to this many seconds for the job to end")
     result.set_defaults(handler=cmd_result)
 
     cancel = subparsers.add_parser("cancel", help="cancel a queued or running job")
-    _client_flags(cancel)
+    client_flags(cancel)
     cancel.add_argument("seq_id")
     cancel.set_defaults(handler=cmd_cancel)
 
@@ -77,7 +77,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, help="PAGEDQ_MAX_NUM_SEQS")
 
 
-def _client_flags(parser: argparse.ArgumentParser) -> None:
+def client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="api base URL (PAGEDQ_URL, default http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="bearer key (PAGEDQ_API_KEY)")
 
@@ -158,7 +158,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _client(args: argparse.Namespace) -> Iterator[Client]:
+def connect(args: argparse.Namespace) -> Iterator[Client]:
     """A Client for the command's URL/key; its errors become CommandErrors (clean message, exit 1)."""
     from pagedq.client import Client, ClientError
 
@@ -180,7 +180,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         }.items()
         if value is not None
     }
-    with _client(args) as client:
+    with connect(args) as client:
         seq_id = client.submit(args.prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
         if args.stream:
             for delta in client.stream(seq_id):
@@ -198,12 +198,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_result(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         print(json.dumps(client.result(args.seq_id, wait=args.wait), indent=2))
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with connect(args) as client:
         print(json.dumps(client.cancel(args.seq_id), indent=2))
     return 0

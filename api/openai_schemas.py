@@ -1,0 +1,157 @@
+"""OpenAI's request bodies for /v1/completions and /v1/chat/completions: the fields pagedq
+serves, vLLM's extra sampling fields (`extra_body` in the openai client), and clear
+errors for what it does not (n > 1, echo, suffix, logit_bias, tools, images).
+
+Unknown fields are rejected rather than ignored: a request whose meaning would silently
+change (tools, a response format) is worse than a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+
+from pagedq.protocol import GenerateRequest
+
+# Fields passed on to SamplingParams under the same name.
+_SAMPLING = (
+    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="Accepted and ignored.")
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int = Field(0, description="vLLM's request priority: lower runs earlier.")
+
+    @model_validator(mode="after")
+    def _supported(self) -> _OpenAIRequest:
+        if self.n not in (None, 1):
+            raise ValueError("n: the service returns one completion per request; send n requests (with different seeds)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, default_max_tokens: int | None, logprobs: int | None) -> dict:
+        fields = {name: getattr(self, name) for name in _SAMPLING if getattr(self, name) is not None}
+        fields.setdefault("max_tokens", default_max_tokens)
+        if logprobs is not None:
+            if self.stream:
+                raise ValueError("logprobs: not available when streaming; send a request without stream")
+            fields["logprobs"] = logprobs
+        return {**fields, "priority": self.priority}
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: StrictStr | list[int] | list[StrictStr] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: not supported (one completion per request)")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise ValueError(
+                    f"prompt: one prompt per request, got {len(self.prompt)}; send one request each, or use the Batch API"
+                )
+            self.prompt = self.prompt[0]
+        if not self.prompt:
+            raise ValueError("prompt: must be non-empty")
+        return self
+
+    def generate_request(self) -> GenerateRequest:
+        """The same request as POST /generate takes (OpenAI's default of 16 tokens)."""
+        prompt = {"prompt": self.prompt} if isinstance(self.prompt, str) else {"prompt_token_ids": self.prompt}
+        return GenerateRequest(**prompt, **self._sampling(16, self.logprobs))
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="Only text parts: the served models read text.")
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict | None = None
+    add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn.")
+
+    @model_validator(mode="after")
+    def _supported_chat(self) -> ChatCompletionRequest:
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only with logprobs=true")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_completion_tokens: differs from max_tokens; give one")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def generate_request(self, prompt_token_ids: list[int]) -> GenerateRequest:
+        """The same request as POST /generate takes, for the templated prompt (no default
+        bound on tokens, as OpenAI's chat: up to the context length)."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerateRequest(prompt_token_ids=prompt_token_ids, **self._sampling(None, logprobs))
+

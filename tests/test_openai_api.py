@@ -1,0 +1,239 @@
+"""The OpenAI-compatible endpoints and /metrics, driven by the official `openai` package
+against a real redis-server, the api under uvicorn and a `pagedq worker` process. Greedy
+results are checked against pagedq's offline engine on the same prompts."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from transformers import AutoTokenizer
+
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
+
+pytestmark = pytest.mark.slow
+QUEUE = "oai"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def service(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("oai")
+    redis_server = RedisServer(tmp / "redis").start()
+    settings = service_settings(model, redis_server.url, tmp, queue_name=QUEUE, metrics_port=0)
+    worker = WorkerProcess(settings, tmp / "worker.log")
+    api = ApiServer(settings).start()
+    try:
+        wait_for_worker(api.url)
+        yield api, Redis.from_url(redis_server.url)
+    finally:
+        api.stop()
+        worker.stop()
+        redis_server.stop()
+
+
+@pytest.fixture
+def client(service):
+    api, _ = service
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def job_of(redis: Redis, response_id: str) -> Job:
+    """The RQ job behind a response: ids are `cmpl-<seq_id>` / `chatcmpl-<seq_id>`."""
+    return Job.fetch(response_id.split("-", 1)[1], connection=redis, serializer=JSONSerializer)
+
+
+def test_models_lists_the_checkpoint_by_its_directory_name(client, model):
+    (card,) = client.models.list().data
+    assert card.id == model.name and card.owned_by == "pagedq"
+    assert client.models.retrieve(model.name).id == model.name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completions_match_the_offline_engine_streamed_or_not(service, client, model):
+    _, redis = service
+    body = {"prompt": "The quick brown fox", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    (expected,) = offline_greedy(model, [body])
+
+    completion = client.completions.create(model=model.name, prompt=body["prompt"], max_tokens=9, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    (choice,) = completion.choices
+    assert completion.object == "text_completion" and completion.model == model.name
+    assert choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 9 and completion.usage.total_tokens == completion.usage.prompt_tokens + 9
+    job = job_of(redis, completion.id)
+    assert job.return_value()["token_ids"] == expected and choice.text == job.return_value()["text"]
+    assert job.kwargs["prompt"] == body["prompt"]  # the same job POST /generate enqueues
+
+    # The full path of the checkpoint names the same model; token ids are a prompt too.
+    by_ids = client.completions.create(model=str(model), prompt=job.kwargs["prompt_token_ids"], max_tokens=9,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == choice.text
+
+    chunks = list(client.completions.create(model=model.name, prompt=body["prompt"], max_tokens=9, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len(chunks) >= 3
+
+
+def test_chat_uses_the_checkpoint_chat_template(service, client, model):
+    _, redis = service
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    template_ids = list(AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+    (expected,) = offline_greedy(model, [{"prompt_token_ids": template_ids, "max_tokens": 8, "temperature": 0,
+                                          "ignore_eos": True}])
+
+    chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    (choice,) = chat.choices
+    job = job_of(redis, chat.id)
+    assert job.kwargs["prompt_token_ids"] == template_ids and chat.usage.prompt_tokens == len(template_ids)
+    assert job.return_value()["token_ids"] == expected
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == job.return_value()["text"] and choice.finish_reason == "length"
+    # Greedy: every chosen token is its step's best alternative.
+    assert len(choice.logprobs.content) == 8
+    for step in choice.logprobs.content:
+        assert len(step.top_logprobs) == 3 and step.top_logprobs[0].token == step.token
+        assert step.logprob == step.top_logprobs[0].logprob >= step.top_logprobs[1].logprob
+    assert "".join(step.token for step in choice.logprobs.content) == choice.message.content
+
+    stream = list(client.chat.completions.create(
+        model=model.name, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == choice.message.content
+    assert stream[-2].choices[0].finish_reason == "length"
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "fragment"),
+    [
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "The model `nope` does not exist"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, None, "n: the service returns one completion"),
+        ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, 400, None, "one prompt per request, got 2"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal"),
+        ("/v1/completions", {"model": "M", "prompt": "hi " * 400, "max_tokens": 900}, 400, "prompt", "context length"),
+        ("/v1/completions", {"model": "M", "prompt": [1, 99999]}, 400, "prompt_token_ids", "[0, 512)"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "echo": True}, 400, None, "echo: not supported"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 2, "stream": True}, 400, "logprobs", "streaming"),
+        ("/v1/completions", {"prompt": "hi"}, 400, "model", "Field required"),
+        ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1"),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
+         "tools", "Extra inputs"),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content", "text"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_errors(service, model, path, body, status, param, fragment):
+    api, _ = service
+    if body.get("model") == "M":
+        body = {**body, "model": model.name}
+    response = httpx.post(f"{api.url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert fragment in error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param)
+
+
+def test_openai_client_raises_its_own_errors_and_generate_keeps_its_shape(service, client, model):
+    api, _ = service
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="n: the service returns one completion"):
+        client.completions.create(model=model.name, prompt="hi", n=3)
+    malformed = httpx.post(f"{api.url}/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
+    # POST /generate still answers its own shape.
+    legacy = httpx.post(f"{api.url}/generate", json={"prompt": "hi", "n": 2})
+    assert legacy.status_code == 422 and set(legacy.json()) == {"error", "message"}
+
+
+def test_a_non_streaming_request_past_its_timeout_gets_504_and_its_job_is_canceled(model, service, tmp_path):
+    """An api whose queue has no worker: the request times out and leaves no work behind."""
+    api, redis = service
+    settings = service_settings(model, api.settings.redis_url, tmp_path, queue_name="no-worker", completion_timeout_s=1)
+    lonely = ApiServer(settings).start()
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"{lonely.url}/v1/completions", json={"model": model.name, "prompt": "hi"}, timeout=30)
+        assert 1 <= time.monotonic() - started < 10
+    finally:
+        lonely.stop()
+    assert response.status_code == 504, response.text
+    error = response.json()["error"]
+    assert error["code"] == "timeout" and "PAGEDQ_COMPLETION_TIMEOUT_S" in error["message"]
+    seq_id = error["message"].split()[1]
+    assert Job.fetch(seq_id, connection=redis, serializer=JSONSerializer).get_status() == "canceled"
+
+
+def test_a_client_that_disconnects_from_a_stream_cancels_its_job(service, model):
+    api, redis = service
+    body = {"model": model.name, "prompt": "go on and on", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{api.url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+    seq_id = first.split('"id": "cmpl-', 1)[1].split('"', 1)[0]
+    job = wait_until(lambda: (j := Job.fetch(seq_id, connection=redis, serializer=JSONSerializer)).get_status()
+                     == "canceled" and j, 10, "the job to be canceled")
+    assert len(job.meta.get("progress", {}).get("token_ids", [])) < 900
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, parsed by prometheus-client's own parser."""
+    text = httpx.get(url, timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_metrics_parse_and_move_as_requests_run(service, client, model):
+    api, _ = service
+    (worker,) = httpx.get(f"{api.url}/ready").json()["workers"]
+    worker_url, api_url = f"http://127.0.0.1:{worker['metrics_port']}/metrics", f"{api.url}/metrics"
+    before, api_before = scrape(worker_url), scrape(api_url)
+
+    client.completions.create(model=model.name, prompt="count the tokens", max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = wait_until(lambda: (m := scrape(worker_url))[("pagedq:jobs_finished_total", ())]
+                       > before[("pagedq:jobs_finished_total", ())] and m, 10, "the worker's metrics")
+    api_after = scrape(api_url)
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before[(name, labels)]
+
+    assert moved("pagedq:jobs_finished_total") == 1 and moved("pagedq:jobs_failed_total") == 0
+    assert moved("pagedq:generation_tokens_total") == 7
+    assert moved("pagedq:prompt_tokens_total") > 0 and moved("pagedq:prefix_cache_queries_total") >= 0
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert moved(f"pagedq:{histogram}_seconds_count") == 1
+        assert moved(f"pagedq:{histogram}_seconds_sum") > 0
+    assert moved("pagedq:inter_token_latency_seconds_count") == 6  # 7 tokens, 6 gaps
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
+        assert (f"pagedq:{gauge}", ()) in after
+    assert {labels for name, labels in after if name == "pagedq:queue_depth"} == {
+        (("queue", QUEUE),), (("queue", f"{QUEUE}.batch"),)}
+    assert after[("pagedq:jobs_requeued_total", ())] == 0
+
+    route = (("method", "POST"), ("route", "/v1/completions"), ("status", "200"))
+    assert api_after[("pagedq:api_requests_total", route)] - api_before.get(("pagedq:api_requests_total", route), 0) == 1
+    submitted = ("pagedq:jobs_submitted_total", (("queue", QUEUE),))
+    assert api_after[submitted] - api_before.get(submitted, 0) == 1
+    assert ("pagedq:queue_depth", (("queue", f"{QUEUE}.batch"),)) in api_after
