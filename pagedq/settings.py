@@ -40,6 +40,17 @@ class Settings(BaseSettings):
         None, ge=1, description="The worker's torch CPU threads; None: on a CPU device all cores but one "
         "(the api, Redis and clients share the machine), else torch's default.",
     )
+    # More engine knobs, named as in EngineArgs; None keeps EngineArgs' default (and
+    # EngineArgs checks the values).
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str | None = Field(None, description="auto, or fp8 (e4m3: twice the tokens per GiB of bf16).")
+    enable_prefix_caching: bool | None = None
+    preemption_mode: str | None = Field(None, description="recompute or swap.")
+    swap_space: float | None = Field(None, description="GiB of CPU memory for swapped-out KV blocks.")
+    attention_backend: str | None = Field(None, description="auto, torch or triton.")
+    enforce_eager: bool | None = Field(None, description="Decode without CUDA graphs.")
 
     # Client side (`pagedq submit/result/cancel`).
     url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")

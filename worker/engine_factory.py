@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from pagedq.config import EngineArgs
 from pagedq.settings import Settings
 
 if TYPE_CHECKING:
@@ -29,18 +30,16 @@ def torch_threads(settings: Settings, device: torch.device) -> int | None:
 def build_engine(settings: Settings) -> LLMEngine:
     import torch
 
-    from pagedq import EngineArgs, LLMEngine
+    from pagedq import LLMEngine
     from worker.model_runner import resolve_device
 
     threads = torch_threads(settings, resolve_device(settings.device))
     if threads is not None:
         torch.set_num_threads(threads)
-    args = EngineArgs(
-        model=settings.require_model(),
-        device=settings.device,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        num_gpu_blocks_override=settings.num_gpu_blocks,
-    )
+    # Settings named as EngineArgs' fields pass through when given.
+    given = {name: getattr(settings, name) for name in _ENGINE_SETTINGS if getattr(settings, name) is not None}
+    args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
     return LLMEngine.from_engine_args(args)
+
+
+_ENGINE_SETTINGS = sorted((set(Settings.model_fields) & EngineArgs.field_names()) - {"model"})

@@ -75,6 +75,11 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="PAGEDQ_DTYPE")
     parser.add_argument("--max-model-len", type=int, help="PAGEDQ_MAX_MODEL_LEN")
     parser.add_argument("--max-num-seqs", type=int, help="PAGEDQ_MAX_NUM_SEQS")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (PAGEDQ_MAX_NUM_BATCHED_TOKENS)")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="PAGEDQ_GPU_MEMORY_UTILIZATION")
+    parser.add_argument("--kv-cache-dtype", help="auto or fp8 (PAGEDQ_KV_CACHE_DTYPE)")
+    parser.add_argument("--preemption-mode", help="recompute or swap (PAGEDQ_PREEMPTION_MODE)")
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (PAGEDQ_ENFORCE_EAGER)")
 
 
 def client_flags(parser: argparse.ArgumentParser) -> None:

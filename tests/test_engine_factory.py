@@ -1,0 +1,28 @@
+"""The worker's engine is built from Settings: PAGEDQ_* engine knobs reach EngineArgs."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedq.settings import Settings
+from worker.engine_factory import build_engine
+
+
+def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
+    for name, value in {
+        "MODEL": str(tiny_model_dir("llama")), "DEVICE": "cpu", "KV_CACHE_DTYPE": "fp8",
+        "ENABLE_PREFIX_CACHING": "false", "PREEMPTION_MODE": "swap", "SWAP_SPACE": "0.001",
+        "BLOCK_SIZE": "8", "MAX_NUM_BATCHED_TOKENS": "64", "NUM_GPU_BLOCKS": "40",
+    }.items():
+        monkeypatch.setenv(f"PAGEDQ_{name}", value)
+    engine = build_engine(Settings())
+    args = engine.args
+    assert (args.kv_cache_dtype, args.enable_prefix_caching, args.preemption_mode) == ("fp8", False, "swap")
+    assert (args.block_size, args.max_num_batched_tokens, args.num_gpu_blocks_override) == (8, 64, 40)
+    assert engine.runner.num_cpu_blocks > 0 and engine.block_manager.num_total_blocks == 40
+
+
+def test_a_bad_engine_setting_is_a_clear_error(tiny_model_dir):
+    settings = Settings(model=str(tiny_model_dir("llama")), device="cpu", preemption_mode="sometimes")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        build_engine(settings)
