@@ -45,8 +45,8 @@ _ENGINE_GAUGES = {
     "kv_cache_usage_perc": ("Fraction of the KV cache's blocks in use (1 = full).", ("kv_cache_usage",)),
 }
 _ENGINE_COUNTERS = {
-    "prefix_cache_queries": ("Prefix-cache lookups (full blocks of prompt looked up).", ("prefix_cache_queries",)),
-    "prefix_cache_hits": ("Prefix-cache lookups that found the block cached.", ("prefix_cache_hits",)),
+    "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache at admission.", ("prefix_cache_queries",)),
+    "prefix_cache_hits": ("Of those, tokens whose KV the prefix cache already held.", ("prefix_cache_hits",)),
     "prompt_tokens": ("Prompt tokens computed (prefix-cache hits excluded, recomputation after preemption included).",
                       ("prompt_tokens_computed",)),
     "generation_tokens": ("Tokens generated.", ("generation_tokens",)),
