@@ -17,7 +17,8 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from rq import worker_registration
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -85,8 +86,12 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Bounded timeouts: a Redis that hangs must turn into a 503, not a hung request.
-        redis = app.state.redis = Redis.from_url(redis_url, **_REDIS_TIMEOUTS)
-        app.state.aredis = AsyncRedis.from_url(redis_url, **_REDIS_TIMEOUTS)
+        # Bounded pools that make a request wait for a free connection: redis-py's default
+        # pool fails the 101st concurrent command ("Too many connections"), which a few
+        # hundred open streams reach.
+        pool = {"max_connections": settings.redis_max_connections, "timeout": settings.redis_pool_timeout_s}
+        redis = app.state.redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
+        app.state.aredis = AsyncRedis.from_pool(AsyncBlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
         store = app.state.store = JobStore(
             redis, settings, on_enqueued=lambda queue, count: metrics.jobs_submitted.labels(queue).inc(count)
         )

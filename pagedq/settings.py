@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     max_wait_s: float = Field(60.0, gt=0, description="Upper bound of GET /result?wait=.")
+    redis_max_connections: int = Field(
+        64, ge=2, description="Redis connections one api process holds at most; requests beyond wait for one "
+        "(redis_pool_timeout_s, then 503).",
+    )
+    redis_pool_timeout_s: float = Field(10.0, gt=0)
     completion_timeout_s: float = Field(
         600.0, gt=0, description="Non-streaming /v1 completions wait this long for their job; then it is canceled (504).",
     )

@@ -238,3 +238,33 @@ def test_redis_going_away_gives_503_then_recovers(model, tmp_path):
     finally:
         server.stop()
         redis_server.stop()
+
+
+def test_more_concurrent_requests_than_redis_connections_wait_for_one(model, redis_server, tmp_path):
+    """A burst wider than the api's Redis pool queues for connections instead of failing:
+    redis-py's default pool answers the command past its limit with "Too many connections",
+    which the api would turn into 503s (seen with a few hundred open streams)."""
+    import asyncio
+
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="narrow-pool", redis_max_connections=3)
+    server = ApiServer(settings).start()
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            submitted = await asyncio.gather(*(client.post("/generate", json={"prompt": f"job {i}"}) for i in range(40)))
+            assert [r.status_code for r in submitted] == [202] * 40, [r.text for r in submitted if r.status_code != 202]
+            seq_ids = [r.json()["seq_id"] for r in submitted]
+            await asyncio.gather(*(client.delete(f"/result/{seq_id}") for seq_id in seq_ids))
+            return await asyncio.gather(
+                *(client.get(f"/stream/{seq_id}") for seq_id in seq_ids),
+                *(client.get(f"/result/{seq_id}", params={"wait": 1}) for seq_id in seq_ids),
+            )
+
+    try:
+        responses = asyncio.run(burst())
+    finally:
+        server.stop()
+    assert [r.status_code for r in responses] == [200] * 80, {r.status_code: r.text for r in responses}
+    streams, results = responses[:40], responses[40:]
+    assert all('"status": "canceled"' in r.text for r in streams)
+    assert all(r.json()["status"] == "canceled" for r in results)
