@@ -4,6 +4,7 @@ cancel of a queued job, and Redis going away (503, then recovery)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
@@ -244,8 +245,6 @@ def test_more_concurrent_requests_than_redis_connections_wait_for_one(model, red
     """A burst wider than the api's Redis pool queues for connections instead of failing:
     redis-py's default pool answers the command past its limit with "Too many connections",
     which the api would turn into 503s (seen with a few hundred open streams)."""
-    import asyncio
-
     settings = service_settings(model, redis_server.url, tmp_path, queue_name="narrow-pool", redis_max_connections=3)
     server = ApiServer(settings).start()
 
