@@ -30,7 +30,7 @@ from api.jobs import TERMINAL, AlreadyFinished, JobStore, QueueFull
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
-from pagedq.protocol import GenerateRequest, GenerationResult, JobState
+from pagedq.protocol import Completion, GenerateRequest, GenerationResult, JobState
 from pagedq.settings import Settings
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
@@ -99,35 +99,41 @@ class OpenAITranslator:
     # ---- responses ----------------------------------------------------------------------
 
     def response(self, endpoint: Endpoint, seq_id: str, result: GenerationResult, top_logprobs: int | None) -> dict:
-        """OpenAI's response body for a finished job. `top_logprobs`: the job's
-        SamplingParams.logprobs (chat lists that many alternatives per token)."""
+        """OpenAI's response body for a finished job: a choice per output. `top_logprobs`:
+        the job's SamplingParams.logprobs (chat lists that many alternatives per token)."""
         created = int(result.timings.enqueued or time.time())
         usage = _usage(result.usage.prompt_tokens, result.usage.completion_tokens)
         if endpoint == COMPLETIONS:
-            choice = {"index": 0, "text": result.text, "logprobs": self._completion_logprobs(result),
-                      "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+            choices = [
+                {"index": output.index, "text": output.text, "logprobs": self._completion_logprobs(output),
+                 "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+                for output in result.outputs
+            ]
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
-                    "choices": [choice], "usage": usage}
-        logprobs = self._chat_logprobs(result, top_logprobs or 0) if top_logprobs is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                  "finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+                    "choices": choices, "usage": usage}
+        choices = [
+            {"index": output.index, "message": {"role": "assistant", "content": output.text},
+             "logprobs": self._chat_logprobs(output, top_logprobs or 0) if top_logprobs is not None else None,
+             "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+            for output in result.outputs
+        ]
         return {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
-                "choices": [choice], "usage": usage}
+                "choices": choices, "usage": usage}
 
-    def _steps(self, result: GenerationResult) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    def _steps(self, output: Completion) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per generated token: its text, its logprob, and the alternatives (text, logprob) best first."""
-        ranked = [sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1]) for step in result.logprobs]
-        ids = sorted({token_id for step in ranked for token_id, _ in step} | set(result.token_ids))
+        ranked = [sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1]) for step in output.logprobs]
+        ids = sorted({token_id for step in ranked for token_id, _ in step} | set(output.token_ids))
         texts = dict(zip(ids, self.checker.token_texts(ids)))
         return [
             (texts[token_id], step[str(token_id)], [(texts[i], lp) for i, lp in alternatives])
-            for token_id, step, alternatives in zip(result.token_ids, result.logprobs, ranked)
+            for token_id, step, alternatives in zip(output.token_ids, output.logprobs, ranked)
         ]
 
-    def _completion_logprobs(self, result: GenerationResult) -> dict | None:
-        if result.logprobs is None:
+    def _completion_logprobs(self, output: Completion) -> dict | None:
+        if output.logprobs is None:
             return None
-        steps = self._steps(result)
+        steps = self._steps(output)
         offsets, offset = [], 0
         for text, _, _ in steps:
             offsets.append(offset)
@@ -135,8 +141,8 @@ class OpenAITranslator:
         return {"tokens": [text for text, _, _ in steps], "token_logprobs": [lp for _, lp, _ in steps],
                 "top_logprobs": [dict(alternatives) for _, _, alternatives in steps], "text_offset": offsets}
 
-    def _chat_logprobs(self, result: GenerationResult, top_logprobs: int) -> dict | None:
-        if result.logprobs is None:
+    def _chat_logprobs(self, output: Completion, top_logprobs: int) -> dict | None:
+        if output.logprobs is None:
             return None
 
         def entry(text: str, logprob: float) -> dict:
@@ -144,7 +150,7 @@ class OpenAITranslator:
 
         return {"content": [
             {**entry(text, lp), "top_logprobs": [entry(t, alp) for t, alp in alternatives[:top_logprobs]]}
-            for text, lp, alternatives in self._steps(result)
+            for text, lp, alternatives in self._steps(output)
         ]}
 
 
@@ -193,7 +199,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
         raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, seq_id, body.include_usage),
+            _stream(request, endpoint, seq_id, generate.n, body.include_usage),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     state = await _wait(request, seq_id, settings.completion_timeout_s)
@@ -240,61 +246,65 @@ def _cancel_in_background(request: Request, seq_id: str) -> None:
     asyncio.get_running_loop().run_in_executor(None, cancel)
 
 
-async def _stream(request: Request, endpoint: Endpoint, seq_id: str, include_usage: bool) -> AsyncIterator[str]:
-    """The job's deltas as OpenAI chunks, then `data: [DONE]`. A job retried after its
-    worker died starts over: its new text is checked against what the client already has
-    and only the rest is sent (greedy and seeded requests repeat themselves); should it
-    differ, the stream ends with an error."""
+async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, include_usage: bool) -> AsyncIterator[str]:
+    """The job's deltas as OpenAI chunks (a choice per output index), then `data: [DONE]`.
+    A job retried after its worker died starts over: each output's new text is checked
+    against what the client already has and only the rest is sent (greedy and seeded
+    requests repeat themselves); should one differ, the stream ends with an error."""
     translator = _translator(request)
     store: JobStore = request.app.state.store
     chat = endpoint == CHAT
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{seq_id}", "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": translator.model_id}
 
-    def chunk(text: str | None, finish_reason: str | None = None) -> str:
+    def chunk(index: int, text: str | None, finish_reason: str | None = None) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return _sse({**base, "choices": [choice]})
 
     def error(message: str, code: str) -> str:
         return _sse(openai_error_body(500, message, code=code)) + _sse("[DONE]")
 
     done = False
-    sent = ""
-    retry_text: str | None = None  # a retried attempt's text so far, until it passes what was sent
+    sent: dict[int, str] = {}
+    # A retried attempt's text so far, per output still behind what was sent.
+    retry: dict[int, str] = {}
     try:
         if chat:
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            yield "".join(_sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]}) for index in range(n))
         async for events in request.app.state.streams.relay(seq_id):
             out = []
             for kind, data, _ in events:
                 if kind == "reset":
-                    retry_text = ""
+                    retry = dict.fromkeys(range(n), "")
                 elif kind == "delta":
-                    text = data["text"]
-                    if retry_text is not None:
-                        retry_text += text
-                        if not (sent.startswith(retry_text) or retry_text.startswith(sent)):
+                    index, text = data.get("index", 0), data["text"]
+                    already = sent.get(index, "")
+                    if index in retry:
+                        redone = retry[index] + text
+                        if not (already.startswith(redone) or redone.startswith(already)):
                             yield "".join(out) + error(f"job {seq_id} was rerun after its worker failed and its text "
                                                        "differs from what was streamed; retry the request", "rerun_diverged")
                             return
-                        if len(retry_text) <= len(sent):
+                        if len(redone) <= len(already):
+                            retry[index] = redone
                             continue
-                        text, retry_text = retry_text[len(sent):], None
+                        text = redone[len(already):]
+                        del retry[index]
                     if text:
-                        sent += text
-                        out.append(chunk(text))
+                        sent[index] = already + text
+                        out.append(chunk(index, text))
                 elif kind == "end":
                     done = True
                     state, result, failure = await blocking(request, store.outcome, seq_id)
                     if result is None:
                         out.append(error(f"job {seq_id} {state}: {failure or 'canceled'}", f"job_{state}"))
                     else:
-                        out.append(chunk(None, result.finish_reason))
+                        out += [chunk(output.index, None, output.finish_reason) for output in result.outputs]
                         if include_usage:
                             usage = _usage(result.usage.prompt_tokens, result.usage.completion_tokens)
                             out.append(_sse({**base, "choices": [], "usage": usage}))

@@ -1,6 +1,6 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions: the fields pagedq
 serves, vLLM's extra sampling fields (`extra_body` in the openai client), and clear
-errors for what it does not (n > 1, echo, suffix, logit_bias, tools, images).
+errors for what it does not (echo, suffix, best_of, logit_bias, tools, images).
 
 Unknown fields are rejected rather than ignored: a request whose meaning would silently
 change (tools, a response format) is worse than a 400 naming the field.
@@ -16,7 +16,7 @@ from pagedq.protocol import GenerateRequest
 
 # Fields passed on to SamplingParams under the same name.
 _SAMPLING = (
-    "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output",
 )
@@ -35,7 +35,7 @@ class _OpenAIRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = None
+    n: int | None = Field(None, ge=1)
     stop: StrictStr | list[StrictStr] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -57,8 +57,6 @@ class _OpenAIRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> _OpenAIRequest:
-        if self.n not in (None, 1):
-            raise ValueError("n: the service returns one completion per request; send n requests (with different seeds)")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         if self.stream_options is not None and not self.stream:

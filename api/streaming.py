@@ -33,7 +33,7 @@ STREAM_ID_PATTERN = r"^\d+-\d+$"
 log = logging.getLogger("pagedq.api")
 
 Entry = tuple[str, dict[str, str]]
-# (kind, data, entry id): `delta` {text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
+# (kind, data, entry id): `delta` {index, text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
 Event = tuple[str, dict, str | None]
 
 
@@ -135,7 +135,8 @@ class StreamReader:
         return batch
 
     async def events(self, seq_id: str, last_event_id: str | None) -> AsyncIterator[str]:
-        """SSE frames: `delta` {text, num_tokens} (num_tokens: generated so far), `reset`
+        """SSE frames: `delta` {index, text, num_tokens} (output `index`'s new text and its
+        tokens generated so far; index > 0 only with n > 1), `reset`
         {attempt} (drop the text so far: a retry starts over), and a final `end` {status,
         finish_reason}. Redis going away mid-stream ends the response without `end`: the
         client reconnects with Last-Event-ID (and gets 503 until Redis is back)."""
@@ -187,22 +188,22 @@ class StreamReader:
 
 
 def _events(batch: list[Entry]) -> list[Event]:
-    """The events of a batch of stream entries, up to an `end`. Consecutive deltas merge
-    into one (the last one's id and count), so a client that fell behind catches up in
-    one event instead of one per token."""
+    """The events of a batch of stream entries, up to an `end`. Consecutive deltas of one
+    output merge into one (the last one's id and count), so a client that fell behind
+    catches up in one event instead of one per token."""
     events: list[Event] = []
     text, last_delta = [], None
     for entry_id, fields in [*batch, ("", {})]:
         kind = fields.get("type")
+        if last_delta is not None and (kind != EVENT_DELTA or fields.get("index") != last_delta[1].get("index")):
+            delta_id, delta = last_delta
+            data = {"index": int(delta.get("index", "0")), "text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}
+            events.append(("delta", data, delta_id))
+            text, last_delta = [], None
         if kind == EVENT_DELTA:
             text.append(fields.get("text", ""))
             last_delta = (entry_id, fields)
-            continue
-        if last_delta is not None:
-            delta_id, delta = last_delta
-            events.append(("delta", {"text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}, delta_id))
-            text, last_delta = [], None
-        if kind == EVENT_RESET:
+        elif kind == EVENT_RESET:
             events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
         elif kind == EVENT_END:
             end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}

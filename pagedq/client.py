@@ -86,15 +86,16 @@ class Client:
         return self._request("DELETE", f"/result/{seq_id}")
 
     def stream(self, seq_id: str) -> Iterator[str]:
-        """Yield text deltas as the job produces them. A job retried after its worker died
+        """Yield text deltas of the job's first output as it produces them (with n > 1,
+        `events()` carries every output's, by index). A job retried after its worker died
         starts over (a `reset` event): callers printing live may see its text repeated;
         use `events()` to handle resets."""
         for event, data in self.events(seq_id):
-            if event == "delta":
+            if event == "delta" and data.get("index", 0) == 0:
                 yield data["text"]
 
     def events(self, seq_id: str, reconnects: int = 3) -> Iterator[tuple[str, dict]]:
-        """The job's SSE events (`delta` {text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}),
+        """The job's SSE events (`delta` {index, text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}),
         reconnecting with Last-Event-ID when the connection drops."""
         last_event_id: str | None = None
         failures = 0

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.beam_search import BeamSearchParams
-from pagedq.outputs import RequestOutput
+from pagedq.outputs import CompletionOutput, RequestOutput
 from pagedq.sampling_params import SamplingParams
 
 # The RQ job function, by dotted path so the api never imports engine code.
@@ -67,9 +67,6 @@ class GenerateRequest(SamplingParams):
                 raise ValueError("max_tokens: beam search needs a bound")
         elif self.model_fields_set & {"beam_width", "length_penalty"}:
             raise ValueError("beam_width, length_penalty: only with use_beam_search=true")
-        if self.n != 1:
-            # A job's result holds one completion; parallel samples are separate requests.
-            raise ValueError("n: the service returns one completion per request; send n requests (with different seeds)")
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if self.prompt is not None and not self.prompt:
@@ -138,25 +135,44 @@ class Progress(BaseModel):
     attempt: int = 0
 
 
-class Beam(BaseModel):
+class Completion(BaseModel):
+    """One of a job's outputs: a parallel sample (`index`), or a beam (best first)."""
+
+    index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
+    # Per generated token: {token id (as a JSON key): logprob}.
+    logprobs: list[dict[str, float]] | None = None
     finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def from_output(cls, output: CompletionOutput, index: int) -> Completion:
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in output.logprobs]
+        return cls(
+            index=index, text=output.text, token_ids=list(output.token_ids), cumulative_logprob=output.cumulative_logprob,
+            logprobs=logprobs, finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+        )
 
 
 class GenerationResult(BaseModel):
     seq_id: str
     prompt: str | None
+    # The first output (n > 1: sample 0; beam search: the best beam).
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    # Per generated token: {token id (as a JSON key): logprob}.
     logprobs: list[dict[str, float]] | None = None
-    # Beam search: every beam, best first (the first is also text/token_ids above).
-    beams: list[Beam] | None = None
+    # n > 1: every sample, by index.
+    completions: list[Completion] | None = None
+    # Beam search: every beam, best first.
+    beams: list[Completion] | None = None
+    # completion_tokens counts every sample's tokens (OpenAI's usage), the best beam's for beam search.
     usage: Usage
     timings: Timings
 
@@ -164,27 +180,24 @@ class GenerationResult(BaseModel):
     def from_output(
         cls, output: RequestOutput, seq_id: str, payload: JobPayload, started_at: float | None
     ) -> GenerationResult:
-        completion = output.outputs[0]
-        beams = None
-        if payload.beam is not None:
-            beams = [
-                Beam(text=c.text, token_ids=list(c.token_ids), cumulative_logprob=c.cumulative_logprob, finish_reason=c.finish_reason)
-                for c in output.outputs
-            ]
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in completion.logprobs]
+        outputs = [Completion.from_output(completion, index) for index, completion in enumerate(output.outputs)]
+        first = outputs[0]
+        many = len(outputs) > 1
         return cls(
             seq_id=seq_id,
             prompt=payload.prompt,
-            text=completion.text,
-            token_ids=list(completion.token_ids),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            cumulative_logprob=completion.cumulative_logprob,
-            logprobs=logprobs,
-            beams=beams,
-            usage=Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(completion.token_ids)),
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            stop_reason=first.stop_reason,
+            cumulative_logprob=first.cumulative_logprob,
+            logprobs=first.logprobs,
+            completions=outputs if many and payload.beam is None else None,
+            beams=outputs if payload.beam is not None else None,
+            usage=Usage(
+                prompt_tokens=len(output.prompt_token_ids),
+                completion_tokens=len(first.token_ids) if payload.beam is not None else sum(len(o.token_ids) for o in outputs),
+            ),
             timings=Timings(
                 enqueued=payload.enqueued_at,
                 started=started_at,
@@ -192,6 +205,14 @@ class GenerationResult(BaseModel):
                 finished=output.metrics.finished_time,
             ),
         )
+
+    @property
+    def outputs(self) -> list[Completion]:
+        """Every output, the first included."""
+        return self.beams or self.completions or [Completion(
+            index=0, text=self.text, token_ids=self.token_ids, cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )]
 
 
 class SubmitResponse(BaseModel):
@@ -206,7 +227,8 @@ class ResultResponse(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
-    beams: list[Beam] | None = None
+    completions: list[Completion] | None = None
+    beams: list[Completion] | None = None
     usage: Usage | None = None
     timings: Timings = Field(default_factory=Timings)
     error: str | None = None
@@ -220,8 +242,8 @@ class ErrorResponse(BaseModel):
 
 
 # Stream events (fields of one Redis stream entry, all strings).
-# {"type": "delta", "text": "...", "num_tokens": "N"}: new text (possibly empty: a token that
-# ends mid-character) and the count of tokens generated so far.
+# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"}: output I's new text
+# (possibly empty: a token that ends mid-character) and its count of tokens generated so far.
 EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # a retried attempt starts over: drop the text received so far
 EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}

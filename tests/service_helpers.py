@@ -105,9 +105,10 @@ def wait_for_worker(api_url: str, name_not_in: set[str] = frozenset(), timeout_s
     )
 
 
-def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
-    """What pagedq's offline engine generates for these request bodies (token ids), with the
-    worker's thread count so float reductions happen in the same order."""
+def offline_outputs(model: Path, requests: list[dict]) -> list[list[list[int]]]:
+    """What pagedq's offline engine generates for these request bodies: each request's
+    outputs' token ids, with the worker's thread count so float reductions happen in the
+    same order."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -120,9 +121,14 @@ def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
             SamplingParams(**{key: value for key, value in body.items() if key in SamplingParams.model_fields})
             for body in requests
         ]
-        return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+        return [[list(c.token_ids) for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         torch.set_num_threads(threads)
+
+
+def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
+    """Each request's first output's token ids from the offline engine."""
+    return [outputs[0] for outputs in offline_outputs(model, requests)]
 
 
 def suspend_workers(redis, api_url: str) -> None:

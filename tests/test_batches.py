@@ -127,7 +127,7 @@ def test_openai_client_runs_a_batch_and_each_bad_line_fails_alone(service, oai, 
         '{"custom_id": "broken", "method": "POST", "url": "/v1/completions", "body": {',   # not JSON
         {**completion_line("wrong-url", model.name, "x"), "url": "/v1/chat/completions"},
         completion_line("unknown-model", "gpt-4", "x"),
-        completion_line("two-samples", model.name, "x", n=2),
+        completion_line("best-of", model.name, "x", best_of=2),
         "",                                                                                  # blank: skipped
         *good[3:],
         completion_line("ok-0", model.name, "a second ok-0"),                                # duplicate custom_id
@@ -157,13 +157,13 @@ def test_openai_client_runs_a_batch_and_each_bad_line_fails_alone(service, oai, 
 
     errors = parse_lines(oai.files.content(batch.error_file_id).content)
     by_id = {line["custom_id"]: line for line in errors}
-    assert [line["custom_id"] for line in errors] == [None, "wrong-url", "unknown-model", "two-samples", "ok-0"]
+    assert [line["custom_id"] for line in errors] == [None, "wrong-url", "unknown-model", "best-of", "ok-0"]
     assert by_id[None]["error"]["code"] == "invalid_json" and "line 4" in by_id[None]["error"]["message"]
     assert by_id["wrong-url"]["error"]["code"] == "invalid_request" and "url" in by_id["wrong-url"]["error"]["message"]
     assert by_id["unknown-model"]["response"]["status_code"] == 404
     assert by_id["unknown-model"]["response"]["body"]["error"]["code"] == "model_not_found"
-    assert by_id["two-samples"]["response"]["status_code"] == 400
-    assert "one completion per request" in by_id["two-samples"]["response"]["body"]["error"]["message"]
+    assert by_id["best-of"]["response"]["status_code"] == 400
+    assert "best_of: not supported" in by_id["best-of"]["response"]["body"]["error"]["message"]
     assert "used by an earlier line" in by_id["ok-0"]["error"]["message"]
 
     with pytest.raises(openai.ConflictError):

@@ -16,7 +16,15 @@ from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
 from pagedq.redis_server import RedisServer
-from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
+from tests.service_helpers import (
+    ApiServer,
+    WorkerProcess,
+    offline_greedy,
+    offline_outputs,
+    service_settings,
+    wait_for_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 QUEUE = "oai"
@@ -89,6 +97,36 @@ def test_completions_match_the_offline_engine_streamed_or_not(service, client, m
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len(chunks) >= 3
 
 
+def test_n_choices_from_one_job_streamed_or_not(service, client, model):
+    _, redis = service
+    sampling = {"n": 2, "temperature": 0.8, "seed": 5, "max_tokens": 6}
+    completion = client.completions.create(model=model.name, prompt="Pick a number", logprobs=1,
+                                           extra_body={"ignore_eos": True}, **sampling)
+    job = job_of(redis, completion.id)
+    (expected,) = offline_outputs(model, [{"prompt_token_ids": job.kwargs["prompt_token_ids"], "ignore_eos": True,
+                                           "logprobs": 1, **sampling}])
+    assert [c.index for c in completion.choices] == [0, 1]
+    assert [c["token_ids"] for c in job.return_value()["completions"]] == expected and expected[0] != expected[1]
+    assert [c.text for c in completion.choices] == [c["text"] for c in job.return_value()["completions"]]
+    assert all(len(c.logprobs.tokens) == 6 for c in completion.choices)
+    assert completion.usage.completion_tokens == 12
+
+    chunks = list(client.completions.create(model=model.name, prompt="Pick a number", stream=True,
+                                            extra_body={"ignore_eos": True}, **sampling))
+    for choice in completion.choices:  # seeded: the stream carries the same two samples
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        assert "".join(part.text for part in mine) == choice.text and mine[-1].finish_reason == "length"
+
+    chat = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}], **sampling)
+    streamed = list(client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "Hi"}],
+                                                   stream=True, **sampling))
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice in chat.choices:
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(part.delta.content or "" for part in mine) == choice.message.content
+
+
 def test_chat_uses_the_checkpoint_chat_template(service, client, model):
     _, redis = service
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
@@ -125,7 +163,8 @@ def test_chat_uses_the_checkpoint_chat_template(service, client, model):
     ("path", "body", "status", "param", "fragment"),
     [
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "The model `nope` does not exist"),
-        ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, None, "n: the service returns one completion"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, None, "best_of: not supported"),
         ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, 400, None, "one prompt per request, got 2"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal"),
         ("/v1/completions", {"model": "M", "prompt": "hi " * 400, "max_tokens": 900}, 400, "prompt", "context length"),
@@ -158,12 +197,12 @@ def test_openai_client_raises_its_own_errors_and_generate_keeps_its_shape(servic
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert not_found.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="n: the service returns one completion"):
-        client.completions.create(model=model.name, prompt="hi", n=3)
+    with pytest.raises(openai.BadRequestError, match="echo: not supported"):
+        client.completions.create(model=model.name, prompt="hi", echo=True)
     malformed = httpx.post(f"{api.url}/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
     assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
     # POST /generate still answers its own shape.
-    legacy = httpx.post(f"{api.url}/generate", json={"prompt": "hi", "n": 2})
+    legacy = httpx.post(f"{api.url}/generate", json={"prompt": "hi", "n": 0})
     assert legacy.status_code == 422 and set(legacy.json()) == {"error", "message"}
 
 

@@ -28,6 +28,7 @@ from tests.service_helpers import (
     ApiServer,
     WorkerProcess,
     offline_greedy,
+    offline_outputs,
     service_settings,
     suspend_workers,
     wait_for_worker,
@@ -104,6 +105,28 @@ def test_fifty_concurrent_requests_match_the_offline_engine(service, client, mod
         assert recorded.seq_id == seq_id and recorded.token_ids == result["token_ids"]
         assert len(job.results()) == 1
     assert FinishedJobRegistry(QUEUE, connection=redis).count == finished_before + 50
+
+
+def test_parallel_samples_run_as_one_job_and_stream_by_index(service, client, model):
+    body = {"prompt": "Three ways to say hello", "n": 3, "temperature": 0.9, "seed": 11, "max_tokens": 10,
+            "ignore_eos": True}
+    (expected,) = offline_outputs(model, [body])
+    seq_id = client.submit(**body)["seq_id"]
+    events = list(client.events(seq_id))
+    result = client.result(seq_id)
+
+    assert result["status"] == "finished"
+    completions = result["completions"]
+    assert [c["index"] for c in completions] == [0, 1, 2]
+    assert [c["token_ids"] for c in completions] == expected  # seeded: the same samples as offline
+    assert len({tuple(ids) for ids in expected}) == 3  # and three different ones
+    assert result["token_ids"] == expected[0] and result["text"] == completions[0]["text"]
+    assert result["usage"]["completion_tokens"] == 30
+    for completion in completions:
+        deltas = [data for event, data in events if event == "delta" and data["index"] == completion["index"]]
+        assert "".join(d["text"] for d in deltas) == completion["text"]
+        assert deltas[-1]["num_tokens"] == 10
+    assert events[-1] == ("end", {"status": "finished", "finish_reason": "length"})
 
 
 def test_polling_and_streaming_follow_a_job_from_queued_to_finished(service, client):

@@ -13,7 +13,7 @@ here, so the next one carries the text the failed one missed: a stream never ski
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis import Redis
 from redis.client import Pipeline
@@ -24,22 +24,23 @@ from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, PROGRESS_META_K
 
 # One round trip for a whole engine step, whatever the number of jobs: on a small model
 # the worker's Redis traffic would otherwise cost as much as the step itself.
-# KEYS: the streams getting a delta, then the job hashes getting a partial result.
-# ARGV: the stream TTL, the number of streams, (text, num_tokens, new) per stream, then the
-# serialized job.meta per job hash. A stream's TTL is set by its first delta (new = 1) and
-# kept by XADD. A meta is written only if its job still exists: a write to a deleted job
-# would recreate its hash.
+# KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
+# the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
+# (index, text, num_tokens, new) per delta, then the serialized job.meta per job hash. A
+# stream's TTL is set by its first delta (new = 1) and kept by XADD. A meta is written only
+# if its job still exists: a write to a deleted job would recreate its hash.
 _PUBLISH = """
-local ttl, streams = ARGV[1], tonumber(ARGV[2])
-for i = 1, streams do
-    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'text', ARGV[3 * i], 'num_tokens', ARGV[3 * i + 1])
-    if ARGV[3 * i + 2] == '1' then
+local ttl, deltas = ARGV[1], tonumber(ARGV[2])
+for i = 1, deltas do
+    local at = 4 * i - 1
+    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    if ARGV[at + 3] == '1' then
         redis.call('EXPIRE', KEYS[i], ttl)
     end
 end
-for i = streams + 1, #KEYS do
+for i = deltas + 1, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[2 * streams + i + 2])
+        redis.call('HSET', KEYS[i], 'meta', ARGV[3 * deltas + i + 2])
     end
 end
 return #KEYS
@@ -77,11 +78,16 @@ class _Published:
     progress: Progress
     stream: bool
     output: RequestOutput | None = None
-    # How much of the output the stream has.
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    # How much of each output (by index) the stream has.
+    sent_chars: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
     next_progress_at: float = 0.0
     next_delta_at: float = 0.0
+
+
+def _pad(counts: list[int], length: int) -> list[int]:
+    """`counts` with a 0 for each output that has none yet (n > 1 outputs appear when the prompt is done)."""
+    return counts + [0] * (length - len(counts))
 
 
 class ProgressPublisher:
@@ -128,16 +134,21 @@ class ProgressPublisher:
         progress_due: list[_Published] = []
         for seq_id in self._dirty:
             state = self._jobs[seq_id]
-            completion = state.output.outputs[0]
+            started = any(state.sent_tokens)
             # The first token and the last go at once; in between a job's deltas are batched
             # to one per stream_interval_s (what is held back stays dirty for a later step).
-            if state.stream and state.sent_tokens and not state.output.finished and now < state.next_delta_at:
+            if state.stream and started and not state.output.finished and now < state.next_delta_at:
                 continue
             self._sending.add(seq_id)
-            if state.stream and len(completion.token_ids) > state.sent_tokens:
-                state.next_delta_at = now + self.stream_interval_s
-                streams.append(stream_key(seq_id))
-                deltas += [completion.text[state.sent_chars:], len(completion.token_ids), int(state.sent_tokens == 0)]
+            if state.stream:
+                outputs = state.output.outputs
+                sent_tokens, sent_chars = _pad(state.sent_tokens, len(outputs)), _pad(state.sent_chars, len(outputs))
+                for index, completion in enumerate(outputs):
+                    if len(completion.token_ids) > sent_tokens[index]:
+                        state.next_delta_at = now + self.stream_interval_s
+                        streams.append(stream_key(seq_id))
+                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started)]
+                        started = True
             # Partial results are rewritten whole, so they are throttled; deltas never are.
             if now >= state.next_progress_at and not state.output.finished:
                 state.next_progress_at = now + self.progress_interval_s
@@ -157,9 +168,8 @@ class ProgressPublisher:
         for seq_id in self._sending:
             state = self._jobs.get(seq_id)
             if state is not None:
-                completion = state.output.outputs[0]
-                state.sent_chars = len(completion.text)
-                state.sent_tokens = len(completion.token_ids)
+                state.sent_chars = [len(completion.text) for completion in state.output.outputs]
+                state.sent_tokens = [len(completion.token_ids) for completion in state.output.outputs]
         self._dirty -= self._sending
         self._sending.clear()
 
