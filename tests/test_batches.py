@@ -372,6 +372,7 @@ def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(ser
     killed_at = time.monotonic()
     # What the dead worker held: started, or taken from the queue and not yet started.
     started = running()
+    victims = {job.worker_name for job in fetch_jobs(service.redis, started)}
     taken = [i.decode() for i in service.redis.lrange(Queue(BATCH_QUEUE, connection=service.redis).intermediate_queue_key, 0, -1)]
     assert started or taken
     api.stop()  # and a new api process takes over
@@ -398,8 +399,10 @@ def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(ser
     # Every line finished exactly once; the killed worker's lines ran again from the start.
     jobs = fetch_jobs(service.redis, [line["response"]["request_id"] for line in output])
     assert [len(job.results()) for job in jobs] == [1] * 200
-    rerun = sorted(job.id for job in jobs if job.meta["progress"]["attempt"] > 1)
-    assert rerun == sorted(started)
+    # (By who recorded the result: a kill between marking a job started and its first
+    # progress write leaves no attempt to count.)
+    finished_by = {job.id: job.results()[0].worker_name for job in jobs}
+    assert all(finished_by[job_id] not in victims for job_id in started)
 
     assert main(["batch", "submit", "batch.jsonl", "--url", api.url]) == 0  # resumable: the same batch
     assert capsys.readouterr().out.strip() == batch_id

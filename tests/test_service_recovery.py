@@ -133,9 +133,10 @@ def test_redis_restart_keeps_queued_jobs_and_the_worker_resumes(service, model):
 def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model):
     client, redis_server, start_worker, api = service
     redis = Redis.from_url(redis_server.url)
-    draining = start_worker(drain_timeout_s=1.0)
+    # The short job ends well within the drain; the long ones (1000 steps) cannot.
+    draining = start_worker(drain_timeout_s=0.5)
     wait_for_worker(api.url)
-    short = long_requests(1, max_tokens=200)
+    short = long_requests(1, max_tokens=10)
     long = long_requests(3, max_tokens=1000)
     short_id, *long_ids = [client.submit(**body)["seq_id"] for body in short + long]
     wait_until(lambda: all(client.result(s)["status"] == "running" for s in long_ids), 30, "jobs running")
