@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.suspension import resume
+from rq.suspension import resume, suspend
 
 from pagedq.client import Client
 from pagedq.redis_server import RedisServer
@@ -149,9 +149,13 @@ def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model
     assert [client.result(s)["status"] for s in long_ids + late_ids] == ["queued"] * 15
     assert Job.fetch(long_ids[0], connection=redis, serializer=JSONSerializer).get_position() < 3
 
-    # Two workers with small batches share the rest.
+    # Two workers with small batches share the rest: both are up before either takes a job,
+    # else on a loaded machine the first to load its model can run everything alone.
+    suspend(redis)
     for _ in range(2):
         start_worker(max_inflight=4)
+    wait_until(lambda: [w["state"] for w in ready_workers(api.url)] == ["suspended"] * 2, 90, "two workers")
+    resume(redis)
     wait_until(lambda: all(client.result(s)["status"] == "finished" for s in long_ids + late_ids), 90, "all to finish")
     assert_finished_once(client, redis, long_ids, offline_greedy(model, long))
     ran_on = {job.worker_name for job in jobs(redis, late_ids + long_ids)}
