@@ -35,7 +35,7 @@ from pagedq.protocol import (
     cancels_key,
 )
 from pagedq.settings import Settings
-from worker.publisher import publish_end
+from worker.rq.publisher import publish_end
 
 STATES: dict[str, JobState] = {
     JobStatus.QUEUED: "queued",

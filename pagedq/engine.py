@@ -25,9 +25,9 @@ from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput, Requ
 from pagedq.sampling_params import SamplingParams
 from pagedq.sequence import Request, Sequence, SequenceStatus
 from scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from worker.detokenizer import IncrementalDetokenizer
+from pagedq.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner
-from worker.sampler import Sampler
+from pagedq.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

@@ -114,7 +114,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import redis
 
-    from worker.rq_worker import run_worker
+    from worker.rq.batch_worker import run_worker
 
     settings = _settings(args)
     try:

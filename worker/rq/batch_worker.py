@@ -60,7 +60,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, batch_queue_name, cancels_key
 from pagedq.settings import Settings
-from worker.publisher import ProgressPublisher, publish_end
+from worker.rq.publisher import ProgressPublisher, publish_end
 
 if TYPE_CHECKING:
     from pagedq.engine import LLMEngine
@@ -533,7 +533,7 @@ class BatchWorker(BaseWorker):
 
 def run_worker(settings: Settings) -> None:
     """Entry point of `pagedq worker`."""
-    from worker.engine_factory import build_engine
+    from worker.rq.engine_factory import build_engine
 
     connection = Redis.from_url(settings.require_redis_url())
     connection.ping()
