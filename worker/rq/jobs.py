@@ -1,4 +1,4 @@
-"""The RQ job function, `worker.jobs.generate`.
+"""The RQ job function, `worker.jobs.generate` (published there, redis_schema.JOB_FUNCTION).
 
 The batch worker (worker/rq/batch_worker.py) never calls it: it reads the same payload and
 runs many jobs through one engine. This function is the fallback that lets a plain
@@ -45,13 +45,7 @@ def generate(**payload: Any) -> dict:
     with job.connection.pipeline() as pipeline:
         publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
-    engine.add_request(
-        job.id,
-        {"prompt_token_ids": request.prompt_token_ids},
-        request.engine_params,
-        arrival_time=request.enqueued_at,
-        priority=request.priority,
-    )
+    request.add_to(engine, job.id)
     final = None
     try:
         while final is None:
