@@ -30,6 +30,8 @@ class PromptChecker:
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             self._check_token_ids("prompt_token_ids", ids)
+        elif request.messages is not None:
+            ids = self.chat_token_ids([message.model_dump() for message in request.messages])
         else:
             with self._lock:
                 ids = self.tokenizer.encode(request.prompt)
@@ -39,7 +41,7 @@ class PromptChecker:
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The messages through the checkpoint's chat template, as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
+            raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
         with self._lock:
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         # transformers 5 answers a BatchEncoding, earlier versions a list.
