@@ -10,6 +10,7 @@ configuration (index URL, proxy, certificates); the GGUF inside is converted onc
 from __future__ import annotations
 
 import fcntl
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,15 +93,20 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
         stdout=2, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
     )
     if done.returncode != 0:
-        raise PullFailed(f"pip could not fetch {requirement}: {_reason(done.stderr)}")
+        raise PullFailed(_reason(requirement, done.stderr))
     wheels = list(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise PullFailed(f"pip fetched no wheel for {requirement}")
     return wheels[0]
 
 
-def _reason(pip_stderr: str) -> str:
+def _reason(requirement: str, pip_stderr: str) -> str:
+    """One line from pip's complaints: a connection failure when there was one (pip then
+    also says it found no version, which would hide the cause), else its first error."""
+    connection = re.search(r"(Failed to establish a new connection: [^'\"]+|Read timed out|SSLError\([^)]*|ProxyError\([^)]*)",
+                           pip_stderr)
+    if connection:
+        return f"cannot reach the package registry to fetch {requirement} ({connection.group(1).strip()})"
     lines = [line.strip() for line in pip_stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("ERROR:")]
-    # pip's first ERROR line names the cause ("Could not find a version ..."); without one, its last words.
-    return (errors[0] if errors else lines[-1] if lines else "no output").removeprefix("ERROR: ")
+    errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR:")]
+    return f"pip could not fetch {requirement}: {errors[0] if errors else lines[-1] if lines else 'no output'}"

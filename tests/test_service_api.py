@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import httpx
 import pytest
@@ -161,6 +162,38 @@ def test_submit_answers_202_and_the_job_waits_queued(client, api, redis_server):
     assert job.kwargs["sampling"]["max_tokens"] == 5 and job.kwargs["prompt"] == "Hello there"
     # A long poll on a job that does not end returns its state when the wait is over.
     assert client.get(f"/result/{seq_id}", params={"wait": 0.3}).json()["status"] == "queued"
+
+
+def test_messages_are_queued_through_the_chat_template(client, model, redis_server):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    seq_id = client.post("/generate", json={"messages": messages, "max_tokens": 5}).json()["seq_id"]
+    job = Job.fetch(seq_id, connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
+    templated = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert job.kwargs["prompt_token_ids"] == list(templated)
+    client.delete(f"/result/{seq_id}")
+
+
+def test_docs_load_only_local_assets_and_offer_bearer_auth(api):
+    with httpx.Client(base_url=api.url, timeout=10) as anonymous:
+        for page in ("/docs", "/redoc"):
+            html = anonymous.get(page)
+            assert html.status_code == 200
+            assets = re.findall(r'(?:src|href|spec-url)="([^"]+)"', html.text) + re.findall(r"url: '([^']+)'", html.text)
+            assert any(asset.endswith(".js") for asset in assets), html.text
+            assert "http://" not in html.text and "https://" not in html.text, f"{page} loads something from elsewhere"
+            for asset in assets:
+                loaded = anonymous.get(asset)
+                assert loaded.status_code == 200 and len(loaded.content) > 500, asset
+        schema = anonymous.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["HTTPBearer"] | {"description": None} == {
+        "type": "http", "scheme": "bearer", "description": None,
+    }
+    for path, method in [("/generate", "post"), ("/v1/completions", "post"), ("/v1/files", "post")]:
+        assert {"HTTPBearer": []} in schema["paths"][path][method]["security"], path
 
 
 def test_cancel_a_queued_job(client, redis_server):
