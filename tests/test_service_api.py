@@ -5,8 +5,10 @@ cancel of a queued job, and Redis going away (503, then recovery)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
+import shutil
 
 import httpx
 import pytest
@@ -247,6 +249,37 @@ def test_queue_over_its_limit_gets_429_with_retry_after(model, redis_server, tmp
             full = client.post("/generate", json={"prompt": "hi"})
             assert_error(full, 429, "queue is full (2 jobs waiting)")
             assert full.headers["Retry-After"] == "7"
+    finally:
+        server.stop()
+
+
+def test_generation_config_sets_the_defaults_of_omitted_sampling_fields(model, redis_server, tmp_path):
+    """As vLLM's default `--generation-config auto`: the checkpoint's temperature, top_p,
+    top_k, min_p, repetition_penalty apply where a request leaves them out."""
+    checkpoint = tmp_path / "model"
+    shutil.copytree(model, checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.3, "top_k": 7}))
+    settings = service_settings(checkpoint, redis_server.url, tmp_path, queue_name="defaults-queue")
+    server = ApiServer(settings).start()
+    connection = Redis.from_url(redis_server.url)
+
+    def sampling(path: str, body: dict) -> dict:
+        if path == "/generate":
+            seq_id = client.post(path, json=body).json()["seq_id"]
+        else:  # not waited for: its job is read while queued
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(path, json={"model": "model", **body}, timeout=0.5)
+            seq_id = Queue("defaults-queue", connection=connection).job_ids[-1]
+        return Job.fetch(seq_id, connection=connection, serializer=JSONSerializer).kwargs["sampling"]
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            for path in ("/generate", "/v1/completions"):
+                omitted = sampling(path, {"prompt": "hi"})
+                assert (omitted["temperature"], omitted["top_k"], omitted["top_p"]) == (0.3, 7, 1.0), path
+                given = sampling(path, {"prompt": "hi", "temperature": 0})
+                assert (given["temperature"], given["top_k"]) == (0.0, 7), path
     finally:
         server.stop()
 

@@ -37,8 +37,9 @@ def test_readme_quick_start_works_in_a_fresh_home(tmp_path):
     """As written, except that pip finds no registry, so `pagedq up` serves the tiny model
     (tests/test_real_model.py pulls the real one)."""
     up_argv = readme_command(r"pagedq up")
-    submit_argv = readme_command(r'pagedq submit --chat --wait "What is the capital of France\?"')
-    assert up_argv[1:] == ["up"] and submit_argv[1:] == ["submit", "--chat", "--wait", "What is the capital of France?"]
+    submit_argv = readme_command(r'pagedq submit --chat --wait --temperature 0 "What is the capital of France\?"')
+    assert up_argv[1:] == ["up"]
+    assert submit_argv[1:] == ["submit", "--chat", "--wait", "--temperature", "0", "What is the capital of France?"]
     home = tmp_path / "home"
     home.mkdir()
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PAGEDQ_", "PIP_"))}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic import ValidationError
+
 from pagedq.cli import CommandError
 from pagedq.gguf_convert import DTYPES
 from pagedq.model_pull import DEFAULT_MODEL, MODELS, PullFailed, pull
@@ -23,7 +25,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         path = pull(Settings().cache_dir, args.name, args.dtype)
-    except PullFailed as exc:
+    except (PullFailed, ValidationError) as exc:
         raise CommandError(str(exc)) from None
     print(path)
     return 0

@@ -146,8 +146,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         nonlocal stop_requested
         stop_requested = True
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    # SIGHUP: the terminal closed; the children (in their own sessions) would outlive us.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, request_stop)
     service = LocalService(settings, workers=args.workers)
     try:
         service.start(stopping=lambda: stop_requested)
