@@ -13,6 +13,7 @@ import time
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from redis import BlockingConnectionPool, Redis
 from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
@@ -95,7 +96,8 @@ def create_app(settings: Settings) -> FastAPI:
         return {queue.name: queue.count for queue in (store.queue, store.batch_queue)}
 
     metrics = ApiMetrics(queue_depths)
-    app = FastAPI(title="pagedq", description=__doc__, lifespan=lifespan)
+    # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN.
+    app = FastAPIOffline(title="pagedq", description=__doc__, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.prompts = checker

@@ -53,7 +53,7 @@ async def generate(
             prompt_token_ids = checker.prompt_token_ids(body)
         except ValueError as exc:
             raise ApiError(422, str(exc)) from exc
-        return store.submit(body, prompt_token_ids, idempotency_key, api_key)
+        return store.submit(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, api_key)
 
     try:
         seq_id, status = await blocking(request, submit)

@@ -89,7 +89,7 @@ class OpenAITranslator:
                 request = body.generate_request(self.checker.chat_token_ids(messages, body.add_generation_prompt))
             else:
                 request = body.generate_request()
-            return request, self.checker.prompt_token_ids(request)
+            return self.checker.with_generation_defaults(request), self.checker.prompt_token_ids(request)
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
         except ValueError as exc:

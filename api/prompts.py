@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import threading
 
-from pagedq.model_info import PromptTooLong, check_prompt_fits, load_hf_config, load_tokenizer, resolve_max_model_len
+from pagedq.model_info import (
+    PromptTooLong,
+    check_prompt_fits,
+    generation_defaults,
+    load_hf_config,
+    load_tokenizer,
+    resolve_max_model_len,
+)
 from pagedq.protocol import GenerateRequest
+from pagedq.sampling_params import SamplingParams
 from pagedq.settings import Settings
 
 
@@ -17,8 +25,19 @@ class PromptChecker:
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = resolve_max_model_len(hf_config, settings.max_model_len)
         self.max_prompt_tokens = settings.max_prompt_tokens
+        # Checked once here (a bad value is the checkpoint's fault, not a request's).
+        defaults = generation_defaults(model)
+        self.generation_defaults = SamplingParams(**defaults).model_dump(include=set(defaults))
         # Fast tokenizers are not safe to share across the threadpool's threads.
         self._lock = threading.Lock()
+
+    def with_generation_defaults(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with the sampling fields it left out taken from the checkpoint's
+        generation config, as vLLM does by default (beam search does not sample)."""
+        missing = {name: value for name, value in self.generation_defaults.items() if name not in request.model_fields_set}
+        if not missing or request.use_beam_search:
+            return request
+        return request.model_copy(update=missing)
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
@@ -26,6 +45,8 @@ class PromptChecker:
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             self._check_token_ids("prompt_token_ids", ids)
+        elif request.messages is not None:
+            ids = self.chat_token_ids([message.model_dump() for message in request.messages])
         else:
             with self._lock:
                 ids = self.tokenizer.encode(request.prompt)
@@ -35,7 +56,7 @@ class PromptChecker:
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The messages through the checkpoint's chat template, as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template; use /v1/completions")
+            raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
         with self._lock:
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         # transformers 5 answers a BatchEncoding, earlier versions a list.

@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "pagedq.commands.bench",
     "pagedq.commands.service",
     "pagedq.commands.batch",
+    "pagedq.commands.pull",
 )
 
 
@@ -46,4 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m pagedq.cli` (how `pagedq up` starts its children) runs this file as
+    # __main__, a second copy of the module: call the package's main, whose CommandError is
+    # the class the commands raise, so their errors stay one line instead of a traceback.
+    from pagedq.cli import main as package_main
+
+    sys.exit(package_main())

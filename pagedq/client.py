@@ -61,11 +61,15 @@ class Client:
         prompt: str | None = None,
         *,
         prompt_token_ids: list[int] | None = None,
+        messages: list[dict] | None = None,
         idempotency_key: str | None = None,
         **sampling: Any,
     ) -> dict:
-        """POST /generate; `sampling` takes SamplingParams' fields and `priority`. Returns {seq_id, status, result_url}."""
-        body = {key: value for key, value in {"prompt": prompt, "prompt_token_ids": prompt_token_ids}.items() if value is not None}
+        """POST /generate (one of prompt, prompt_token_ids, messages: [{role, content}] for the
+        model's chat template); `sampling` takes SamplingParams' fields and `priority`.
+        Returns {seq_id, status, result_url}."""
+        given = {"prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages}
+        body = {key: value for key, value in given.items() if value is not None}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return self._request("POST", "/generate", json={**body, **sampling}, headers=headers)
 

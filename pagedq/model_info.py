@@ -3,6 +3,7 @@ read without importing torch or building the model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # The Hugging Face architecture of each model type pagedq runs (configs written without an
@@ -24,6 +25,17 @@ def check_model_dir(model: str | Path) -> Path:
             "pagedq loads weights only from disk"
         )
     return path
+
+
+# vLLM's default `--generation-config auto`: these fields of a checkpoint's
+# generation_config.json become the defaults of requests that leave them out.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model: str | Path) -> dict:
+    path = check_model_dir(model) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {name: config[name] for name in GENERATION_DEFAULT_FIELDS if config.get(name) is not None}
 
 
 def load_hf_config(model: str | Path):

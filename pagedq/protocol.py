@@ -13,7 +13,7 @@ What lives in Redis (keys, job states, job.meta's progress, stream events) is pa
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
@@ -28,11 +28,25 @@ if TYPE_CHECKING:
 # RQ job ids (our seq_ids) must match this.
 SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
+
+class Message(BaseModel):
+    """One turn of POST /generate's `messages`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+
 class GenerateRequest(SamplingParams):
     """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
 
     prompt: StrictStr | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[Message] | None = Field(
+        None, description="Instead of prompt: a conversation, rendered through the checkpoint's chat template "
+        "with the assistant's turn opened.",
+    )
     priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
     use_beam_search: bool = Field(False, description="Beam search instead of sampling; the result holds every beam, best first.")
     beam_width: int = Field(1, ge=1, le=64)
@@ -48,12 +62,14 @@ class GenerateRequest(SamplingParams):
                 raise ValueError("max_tokens: beam search needs a bound")
         elif self.model_fields_set & {"beam_width", "length_penalty"}:
             raise ValueError("beam_width, length_penalty: only with use_beam_search=true")
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if [self.prompt, self.prompt_token_ids, self.messages].count(None) != 2:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt: must be non-empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids: must be non-empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must be non-empty")
         return self
 
     def sampling_params(self) -> SamplingParams:

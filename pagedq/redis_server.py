@@ -7,12 +7,14 @@ port with AOF persistence on, so queued jobs survive its restart.
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 
 def free_port() -> int:
@@ -40,6 +42,7 @@ class RedisServer:
     port: int = field(default_factory=free_port)
     executable: str = field(default_factory=find_redis_server)
     process: subprocess.Popen | None = None
+    _dir_lock: IO | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -47,15 +50,36 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_data_dir()
         args = [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
         ]
         log = open(self.data_dir / "redis.log", "ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Its own session: a terminal's Ctrl-C goes to `pagedq up` alone, which stops Redis
+        # last, after the workers have requeued what they could not finish. It inherits the
+        # data directory's lock, which so outlives a killed parent.
+        self.process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            pass_fds=(self._dir_lock.fileno(),),
+        )
         log.close()
-        self._wait_ready(timeout_s)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def _lock_data_dir(self) -> None:
+        """One server per data directory: two appending to one AOF would corrupt it."""
+        lock = open(self.data_dir / "pagedq.lock", "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise RuntimeError(f"another redis-server started by pagedq uses {self.data_dir}") from None
+        self._dir_lock = lock
 
     def _wait_ready(self, timeout_s: float) -> None:
         import redis
@@ -76,14 +100,16 @@ class RedisServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM: Redis flushes its AOF and exits."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._dir_lock is not None:
+            self._dir_lock.close()
+            self._dir_lock = None
 
 
 def redis_url_or_start(redis_url: str | None, data_dir: Path) -> tuple[str, RedisServer | None]:

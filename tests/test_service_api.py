@@ -5,7 +5,10 @@ cancel of a queued job, and Redis going away (503, then recovery)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
+import shutil
 
 import httpx
 import pytest
@@ -71,8 +74,11 @@ def assert_error(response: httpx.Response, status: int, *fragments: str) -> None
         ({"prompt": "hi", "top_p": 0}, 422, ["top_p"]),
         ({"prompt": "hi", "n": 0}, 422, ["n", "greater than or equal to 1"]),
         ({"prompt": "hi", "n": 2, "use_beam_search": True, "max_tokens": 4}, 422, ["n: not used by beam search"]),
-        ({}, 422, ["exactly one of prompt or prompt_token_ids"]),
+        ({}, 422, ["exactly one of prompt, prompt_token_ids or messages"]),
         ({"prompt": "hi", "prompt_token_ids": [1]}, 422, ["exactly one"]),
+        ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 422, ["exactly one"]),
+        ({"messages": []}, 422, ["messages: must be non-empty"]),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, 422, ["role"]),
         ({"prompt": ""}, 422, ["non-empty"]),
         ({"prompt_token_ids": [1, 512]}, 422, ["prompt_token_ids", "[0, 512)"]),
         ({"prompt": "hi", "stop_token_ids": [9999]}, 422, ["stop_token_ids", "[0, 512)"]),
@@ -160,6 +166,38 @@ def test_submit_answers_202_and_the_job_waits_queued(client, api, redis_server):
     assert client.get(f"/result/{seq_id}", params={"wait": 0.3}).json()["status"] == "queued"
 
 
+def test_messages_are_queued_through_the_chat_template(client, model, redis_server):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    seq_id = client.post("/generate", json={"messages": messages, "max_tokens": 5}).json()["seq_id"]
+    job = Job.fetch(seq_id, connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
+    templated = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert job.kwargs["prompt_token_ids"] == list(templated)
+    client.delete(f"/result/{seq_id}")
+
+
+def test_docs_load_only_local_assets_and_offer_bearer_auth(api):
+    with httpx.Client(base_url=api.url, timeout=10) as anonymous:
+        for page in ("/docs", "/redoc"):
+            html = anonymous.get(page)
+            assert html.status_code == 200
+            assets = re.findall(r'(?:src|href|spec-url)="([^"]+)"', html.text) + re.findall(r"url: '([^']+)'", html.text)
+            assert any(asset.endswith(".js") for asset in assets), html.text
+            assert "http://" not in html.text and "https://" not in html.text, f"{page} loads something from elsewhere"
+            for asset in assets:
+                loaded = anonymous.get(asset)
+                assert loaded.status_code == 200 and len(loaded.content) > 500, asset
+        schema = anonymous.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["HTTPBearer"] | {"description": None} == {
+        "type": "http", "scheme": "bearer", "description": None,
+    }
+    for path, method in [("/generate", "post"), ("/v1/completions", "post"), ("/v1/files", "post")]:
+        assert {"HTTPBearer": []} in schema["paths"][path][method]["security"], path
+
+
 def test_cancel_a_queued_job(client, redis_server):
     seq_id = client.post("/generate", json={"prompt": "cancel me"}).json()["seq_id"]
     queue = Queue("api-tests", connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
@@ -211,6 +249,37 @@ def test_queue_over_its_limit_gets_429_with_retry_after(model, redis_server, tmp
             full = client.post("/generate", json={"prompt": "hi"})
             assert_error(full, 429, "queue is full (2 jobs waiting)")
             assert full.headers["Retry-After"] == "7"
+    finally:
+        server.stop()
+
+
+def test_generation_config_sets_the_defaults_of_omitted_sampling_fields(model, redis_server, tmp_path):
+    """As vLLM's default `--generation-config auto`: the checkpoint's temperature, top_p,
+    top_k, min_p, repetition_penalty apply where a request leaves them out."""
+    checkpoint = tmp_path / "model"
+    shutil.copytree(model, checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, "temperature": 0.3, "top_k": 7}))
+    settings = service_settings(checkpoint, redis_server.url, tmp_path, queue_name="defaults-queue")
+    server = ApiServer(settings).start()
+    connection = Redis.from_url(redis_server.url)
+
+    def sampling(path: str, body: dict) -> dict:
+        if path == "/generate":
+            seq_id = client.post(path, json=body).json()["seq_id"]
+        else:  # not waited for: its job is read while queued
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(path, json={"model": "model", **body}, timeout=0.5)
+            seq_id = Queue("defaults-queue", connection=connection).job_ids[-1]
+        return Job.fetch(seq_id, connection=connection, serializer=JSONSerializer).kwargs["sampling"]
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            for path in ("/generate", "/v1/completions"):
+                omitted = sampling(path, {"prompt": "hi"})
+                assert (omitted["temperature"], omitted["top_k"], omitted["top_p"]) == (0.3, 7, 1.0), path
+                given = sampling(path, {"prompt": "hi", "temperature": 0})
+                assert (given["temperature"], given["top_k"]) == (0.0, 7), path
     finally:
         server.stop()
 

