@@ -45,9 +45,10 @@ from rq.serializers import JSONSerializer
 from api.auth import authenticate
 from api.errors import ApiError, openai_error_body
 from api.files import FileConflict, FileStore
-from api.jobs import TERMINAL, JobStore, job_state
+from api.jobs import TERMINAL, JobStore, invalid_input, job_state
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.threads import blocking
+from pagedq.request_rules import ValidInput
 from pagedq.settings import Settings
 
 log = logging.getLogger("pagedq.api")
@@ -108,7 +109,7 @@ class BatchRecord(BatchObject):
         return BatchObject.model_validate(self.model_dump(exclude={"lines_read", "request_sha256"})).model_dump()
 
 
-class BatchCreate(BaseModel):
+class BatchCreate(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
@@ -480,8 +481,12 @@ class BatchStore:
             else:
                 job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JSONSerializer)[0]
                 message = JobStore.failure_message(job) if job is not None else "the job is gone"
-                yield _response_line(record.id, index, custom_id, 500,
-                                     openai_error_body(500, f"the request failed: {message}", code="job_failed"))
+                if (invalid := invalid_input(message)) is not None:
+                    yield _response_line(record.id, index, custom_id, 400,
+                                         openai_error_body(400, invalid, code="invalid_request"))
+                else:
+                    yield _response_line(record.id, index, custom_id, 500,
+                                         openai_error_body(500, f"the request failed: {message}", code="job_failed"))
 
 
 async def supervise(app: FastAPI) -> None:

@@ -24,6 +24,7 @@ from pagedq.protocol import (
     JOB_FUNCTION,
     GenerateRequest,
     GenerationResult,
+    InvalidJob,
     JobPayload,
     JobState,
     Progress,
@@ -33,6 +34,7 @@ from pagedq.protocol import (
     Usage,
     batch_queue_name,
     cancels_key,
+    failure_line,
 )
 from pagedq.settings import Settings
 from worker.publisher import publish_end
@@ -280,3 +282,10 @@ class JobStore:
         # The exception's own line, not the worker's traceback.
         lines = [line for line in exc_string.strip().splitlines() if line.strip()]
         return lines[-1] if lines else "job failed"
+
+
+def invalid_input(failure: str | None) -> str | None:
+    """The client-facing message of a job that failed on its input (the client's error, a
+    4xx), or None for any other failure (the server's, a 5xx)."""
+    prefix = failure_line(InvalidJob)
+    return failure.removeprefix(prefix) if failure and failure.startswith(prefix) else None

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from api.auth import authenticate
 from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
-from api.jobs import TERMINAL, AlreadyFinished, JobStore, QueueFull
+from api.jobs import TERMINAL, AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
@@ -92,9 +92,7 @@ class OpenAITranslator:
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
         except ValueError as exc:
-            message = str(exc)
-            param = message.partition(":")[0] if ":" in message and " " not in message.partition(":")[0] else None
-            raise ApiError(400, message, param=param) from None
+            raise ApiError(400, str(exc), param=_param(str(exc))) from None
 
     # ---- responses ----------------------------------------------------------------------
 
@@ -152,6 +150,12 @@ class OpenAITranslator:
             {**entry(text, lp), "top_logprobs": [entry(t, alp) for t, alp in alternatives[:top_logprobs]]}
             for text, lp, alternatives in self._steps(output)
         ]}
+
+
+def _param(message: str) -> str | None:
+    """The field an error message names first ("n: ..." names n), as OpenAI's `param`."""
+    head, colon, _ = message.partition(":")
+    return head if colon and " " not in head else None
 
 
 # ---- endpoints ----------------------------------------------------------------------------
@@ -214,6 +218,8 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
                            code="timeout")
     state, result, error = await blocking(request, store.outcome, seq_id)
     if state == "failed":
+        if (invalid := invalid_input(error)) is not None:
+            raise ApiError(400, invalid, param=_param(invalid), code="invalid_request")
         raise ApiError(500, f"job {seq_id} failed: {error}", code="job_failed")
     if result is None:
         raise ApiError(409, f"job {seq_id} was {state or 'deleted'} before it finished", code="canceled")
@@ -265,8 +271,8 @@ async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, inc
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return _sse({**base, "choices": [choice]})
 
-    def error(message: str, code: str) -> str:
-        return _sse(openai_error_body(500, message, code=code)) + _sse("[DONE]")
+    def error(message: str, code: str, status: int = 500) -> str:
+        return _sse(openai_error_body(status, message, _param(message) if status < 500 else None, code)) + _sse("[DONE]")
 
     done = False
     sent: dict[int, str] = {}
@@ -301,7 +307,9 @@ async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, inc
                 elif kind == "end":
                     done = True
                     state, result, failure = await blocking(request, store.outcome, seq_id)
-                    if result is None:
+                    if (invalid := invalid_input(failure)) is not None:
+                        out.append(error(invalid, "invalid_request", 400))
+                    elif result is None:
                         out.append(error(f"job {seq_id} {state}: {failure or 'canceled'}", f"job_{state}"))
                     else:
                         out += [chunk(output.index, None, output.finish_reason) for output in result.outputs]

@@ -6,6 +6,7 @@ import threading
 
 from pagedq.model_info import context_length, load_hf_config, load_tokenizer
 from pagedq.protocol import GenerateRequest
+from pagedq.request_rules import check_width
 from pagedq.settings import Settings
 
 
@@ -21,11 +22,17 @@ class PromptChecker:
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = settings.max_model_len or context_length(hf_config)
         self.max_prompt_tokens = settings.max_prompt_tokens
+        # The workers' engines are built from the same settings.
+        self.max_num_seqs = settings.max_num_seqs
         # Fast tokenizers are not safe to share across the threadpool's threads.
         self._lock = threading.Lock()
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
+        if request.use_beam_search:
+            check_width("beam_width", request.beam_width, self.max_num_seqs)
+        else:
+            check_width("n", request.n, self.max_num_seqs)
         self._check_token_ids("stop_token_ids", request.stop_token_ids or [])
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids

@@ -47,6 +47,21 @@ def cancels_key(queue_name: str) -> str:
     return f"pagedq:cancels:{queue_name}"
 
 
+class InvalidJob(ValueError):
+    """A job whose input no engine can run (the same on every attempt): the worker fails it
+    at once and never retries it; the api answers it as the client's error (4xx)."""
+
+
+class RequestFailed(RuntimeError):
+    """Something a job's own request caused threw inside an engine step; the engine's other
+    requests carried on. Deterministic, so never retried (retries are for lost workers)."""
+
+
+def failure_line(exc_type: type[BaseException]) -> str:
+    """How a job failed by `exc_type` starts the last line of its recorded traceback."""
+    return f"{exc_type.__module__}.{exc_type.__qualname__}: "
+
+
 class GenerateRequest(SamplingParams):
     """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 # Seeds are int64, as vLLM's (torch.iinfo(torch.long)). The n outputs of a request use
 # seed + index, and a torch generator takes up to 2**64 - 1, so no n ever overflows it.
@@ -56,3 +56,13 @@ def check_width(field: str, width: int, max_num_seqs: int) -> None:
         raise ValueError(
             f"{field}: {width} sequences at once, more than an engine runs ({max_num_seqs}, PAGEDQ_MAX_NUM_SEQS)"
         )
+
+
+def describe_invalid(exc: ValueError) -> str:
+    """One line naming each invalid field (pydantic's own message spans lines and links)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+    return str(exc)

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from rq import get_current_job
 
-from pagedq.protocol import GenerationResult, JobPayload
+from pagedq.protocol import GenerationResult, InvalidJob, JobPayload, RequestFailed
+from pagedq.request_rules import describe_invalid
 from pagedq.settings import Settings
 from worker.engine_factory import build_engine
 from worker.publisher import ProgressPublisher
@@ -36,7 +37,10 @@ def generate(**payload: Any) -> dict:
     job = get_current_job()
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ worker")
-    request = JobPayload.model_validate(payload)
+    try:
+        request = JobPayload.model_validate(payload)
+    except ValueError as exc:
+        raise _never_retried(job, InvalidJob(describe_invalid(exc))) from None
     settings = Settings()
     engine = _process_engine()
     publisher = ProgressPublisher(job.connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
@@ -45,13 +49,16 @@ def generate(**payload: Any) -> dict:
     with job.connection.pipeline() as pipeline:
         publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
-    engine.add_request(
-        job.id,
-        {"prompt_token_ids": request.prompt_token_ids},
-        request.engine_params,
-        arrival_time=request.enqueued_at,
-        priority=request.priority,
-    )
+    try:
+        engine.add_request(
+            job.id,
+            {"prompt_token_ids": request.prompt_token_ids},
+            request.engine_params,
+            arrival_time=request.enqueued_at,
+            priority=request.priority,
+        )
+    except ValueError as exc:
+        raise _never_retried(job, InvalidJob(describe_invalid(exc))) from None
     final = None
     try:
         while final is None:
@@ -69,6 +76,14 @@ def generate(**payload: Any) -> dict:
     finally:
         publisher.forget(job.id)
 
+    if final.error is not None:
+        raise _never_retried(job, RequestFailed(final.error))
     # No "end" event here: RQ records the result only after this returns, and the
     # stream relay ends by itself once it sees the job's terminal status.
     return GenerationResult.from_output(final, job.id, request, started_at).model_dump(mode="json")
+
+
+def _never_retried(job, exc: Exception) -> Exception:
+    """A deterministic failure: RQ's retries are for lost workers, so none is left."""
+    job.retries_left = 0
+    return exc

@@ -58,7 +58,17 @@ from rq.utils import as_text
 from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
-from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, batch_queue_name, cancels_key
+from pagedq.protocol import (
+    JOB_FUNCTION,
+    GenerationResult,
+    InvalidJob,
+    JobPayload,
+    JobState,
+    RequestFailed,
+    batch_queue_name,
+    cancels_key,
+)
+from pagedq.request_rules import describe_invalid
 from pagedq.settings import Settings
 from worker.publisher import ProgressPublisher, publish_end
 
@@ -403,8 +413,13 @@ class BatchWorker(BaseWorker):
                 arrival_time=payload.enqueued_at,
                 priority=payload.priority,
             )
+        except ValueError as exc:
+            # Bad input fails the same way on every attempt: the client's error, never retried.
+            job.retries_left = 0
+            self._finalize_failure(job, queue, execution, _raised(InvalidJob(describe_invalid(exc))))
+            return
         except Exception:
-            job.retries_left = 0  # bad input fails the same way on every attempt
+            job.retries_left = 0
             self._finalize_failure(job, queue, execution, sys.exc_info())
             return
         self.inflight[execution.id] = InFlight(job, queue, execution, payload, started_at=time.time())
@@ -464,19 +479,24 @@ class BatchWorker(BaseWorker):
             return
         ends = [self._finish(entry) for entry in finished]
         with self.connection.pipeline(transaction=False) as pipeline:
-            for seq_id, finish_reason in ends:
-                publish_end(pipeline, seq_id, "finished", self.settings.stream_ttl_s, finish_reason=finish_reason)
+            for seq_id, status, finish_reason in ends:
+                publish_end(pipeline, seq_id, status, self.settings.stream_ttl_s, finish_reason=finish_reason)
             pipeline.execute()
 
-    def _finish(self, entry: InFlight) -> tuple[str, str]:
+    def _finish(self, entry: InFlight) -> tuple[str, JobState, str]:
         job = entry.job
         payload = entry.payload
+        del self.inflight[entry.request_id]
+        self.publisher.forget(job.id)
+        if entry.final.error is not None:
+            # The engine failed this request alone, for something it caused: it would again.
+            job.retries_left = 0
+            self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(entry.final.error)))
+            return job.id, "failed", ""
         result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
         self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
         self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
-        del self.inflight[entry.request_id]
-        self.publisher.forget(job.id)
-        return job.id, result.finish_reason or ""
+        return job.id, "finished", result.finish_reason or ""
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
@@ -529,6 +549,11 @@ class BatchWorker(BaseWorker):
         for entry in reversed(entries):
             entry.queue.enqueue_job(entry.job, at_front=True)
         self.metrics.jobs_requeued += len(entries)
+
+
+def _raised(exc: BaseException):
+    """exc_info for an exception made here, as RQ's failure handling takes it."""
+    return type(exc), exc, None
 
 
 def run_worker(settings: Settings) -> None:
