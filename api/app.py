@@ -30,7 +30,7 @@ from api.errors import ApiError, error_response, install_error_handlers
 from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull
 from api.prompts import PromptChecker
-from api.streaming import STREAM_ID_PATTERN, StreamReader
+from api.streaming import StreamReader, valid_stream_id
 from api.threads import blocking, blocking_limiter
 from pagedq.metrics import CONTENT_TYPE, ApiMetrics
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
@@ -187,7 +187,7 @@ def create_app(settings: Settings) -> FastAPI:
         last_event_id: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         _check_seq_id(seq_id)
-        if last_event_id is not None and not re.match(STREAM_ID_PATTERN, last_event_id):
+        if last_event_id is not None and not valid_stream_id(last_event_id):
             raise ApiError(400, "Last-Event-ID: expected an event id like '1700000000000-0'")
         streams: StreamReader = request.app.state.streams
         if await streams.state(seq_id) is None:

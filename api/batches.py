@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ log = logging.getLogger("pagedq.api")
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
+BATCH_ID_PATTERN = re.compile(r"^batch_[0-9a-f]{32}$")
 _CHUNK_LINES = 256
 _LEASE_S = 60
 _ALL_KEY = "pagedq:batches"
@@ -150,6 +152,8 @@ class BatchStore:
     # ---- records ------------------------------------------------------------------------
 
     def get(self, batch_id: str) -> BatchRecord | None:
+        if not BATCH_ID_PATTERN.match(batch_id):
+            return None  # not an id this api makes (and "<id>:lines" names another of its keys)
         raw = self.connection.get(_key(batch_id))
         return BatchRecord.model_validate_json(raw) if raw else None
 
@@ -497,7 +501,13 @@ async def supervise(app: FastAPI) -> None:
 
     def advance_all() -> None:
         for batch_id in store.connection.smembers(_ACTIVE_KEY):
-            store.advance(batch_id.decode())
+            try:
+                store.advance(batch_id.decode())
+            except (RedisConnectionError, RedisTimeoutError):
+                raise
+            except Exception:
+                # One batch's fault must not stop the others from advancing.
+                log.exception("batch supervisor: advancing batch %s failed; retrying next round", batch_id.decode())
 
     while True:
         try:

@@ -38,10 +38,16 @@ class PromptChecker:
             ids = request.prompt_token_ids
             self._check_token_ids("prompt_token_ids", ids)
         else:
-            with self._lock:
-                ids = self.tokenizer.encode(request.prompt)
+            ids = self._encode(request.prompt)
         self._check_length(len(ids), request.max_tokens)
         return ids
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            with self._lock:
+                return self.tokenizer.encode(text)
+        except (TypeError, UnicodeError) as exc:  # schemas refuse lone surrogates; anything else the tokenizer refuses
+            raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The messages through the checkpoint's chat template, as token ids."""
