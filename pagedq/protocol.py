@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.beam_search import BeamSearchParams
 from pagedq.outputs import CompletionOutput, RequestOutput
+from pagedq.request_rules import ValidInput
 from pagedq.sampling_params import SamplingParams
 
 # The RQ job function, by dotted path so the api never imports engine code.
@@ -106,7 +107,10 @@ class GenerateRequest(SamplingParams):
 _SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {"max_tokens", "ignore_eos", "skip_special_tokens"}
 
 
-class JobPayload(BaseModel):
+class JobPayload(ValidInput):
+    """Read back from Redis by every worker, under the same rules as a request body: Redis
+    may hold jobs that no api of this version checked."""
+
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None
