@@ -26,7 +26,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from api.streaming import StreamHub
-from pagedq.protocol import JOB_FUNCTION, failure_line, InvalidJob, stream_key
+from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, failure_line, stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
 
