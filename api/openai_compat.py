@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from api.auth import authenticate
+from api.auth import ANYONE, Caller, authenticate
 from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -179,23 +179,23 @@ async def get_model(model: str, request: Request) -> dict:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request, api_key: Annotated[str, Depends(authenticate)]):
-    return await _serve(request, COMPLETIONS, body, api_key)
+async def completions(body: CompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
+    return await _serve(request, COMPLETIONS, body, caller)
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request, api_key: Annotated[str, Depends(authenticate)]):
-    return await _serve(request, CHAT, body, api_key)
+async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
+    return await _serve(request, CHAT, body, caller)
 
 
-async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_key: str) -> JSONResponse | StreamingResponse:
+async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller) -> JSONResponse | StreamingResponse:
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
 
     def submit() -> tuple[str, GenerateRequest]:
         generate, prompt_token_ids = translator.prepare(endpoint, body)
-        seq_id, _ = store.submit(generate, prompt_token_ids, None, api_key, stream=body.stream)
+        seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
         return seq_id, generate
 
     try:
@@ -210,7 +210,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
     state = await _wait(request, seq_id, settings.completion_timeout_s)
     if state not in TERMINAL:
         try:
-            await blocking(request, store.cancel, seq_id)
+            await blocking(request, store.cancel, seq_id, ANYONE)
         except AlreadyFinished:
             pass  # it ended just now: answer it
         else:
@@ -246,7 +246,7 @@ def _cancel_in_background(request: Request, seq_id: str) -> None:
 
     def cancel() -> None:
         try:
-            store.cancel(seq_id)
+            store.cancel(seq_id, ANYONE)
         except AlreadyFinished:
             pass
 

@@ -28,7 +28,19 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 
-from pagedq.redis_schema import TERMINAL, Entry, Event, JobState, api_wake_key, is_end, job_state, read_events, stream_key
+from api.auth import Caller
+from pagedq.redis_schema import (
+    TERMINAL,
+    Entry,
+    Event,
+    JobState,
+    api_wake_key,
+    is_end,
+    job_state,
+    owner_of,
+    read_events,
+    stream_key,
+)
 
 _STREAM_ID = re.compile(r"^(\d{1,20})-(\d{1,20})$")
 # Each half of a Redis stream entry id is an unsigned 64-bit integer.
@@ -138,6 +150,11 @@ class StreamReader:
         self.connection = connection
         self.poll_s = poll_s
         self.hub = StreamHub(connection)
+
+    async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
+        """The job's state, None when there is no such job or it is another tenant's."""
+        status, meta = await self.connection.hmget(Job.key_for(seq_id), "status", "meta")
+        return job_state(status) if status is not None and caller.owns(owner_of(meta)) else None
 
     async def state(self, seq_id: str) -> JobState | None:
         return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))

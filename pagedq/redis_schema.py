@@ -14,6 +14,7 @@ and the parts of RQ's records that we define:
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -27,6 +28,13 @@ JOB_FUNCTION = "worker.jobs.generate"
 # job.meta fields: the running job's partial result, and the request body's hash (Idempotency-Key replays).
 PROGRESS_META_KEY = "progress"
 BODY_HASH_META_KEY = "request_sha256"
+# The tenant that made the job (api.auth.Caller.tenant: a tenant's name or a key's hash, never a key).
+OWNER_META_KEY = "owner"
+
+
+def owner_of(raw_meta: bytes | None) -> str:
+    """The owner in a job hash's raw `meta` field (JSON, the jobs' serializer), without fetching the job."""
+    return json.loads(raw_meta).get(OWNER_META_KEY, "") if raw_meta else ""
 
 JobState = Literal["queued", "running", "finished", "failed", "canceled"]
 TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "canceled"})
@@ -214,6 +222,11 @@ def file_content_key(file_id: str) -> str:
 # Every batch id, scored by creation time (newest first in listings); the ones still running.
 BATCHES_KEY = "pagedq:batches"
 ACTIVE_BATCHES_KEY = "pagedq:batches:active"
+
+
+def tenant_batches_key(owner: str) -> str:
+    """The batch ids of one owner (see OWNER_META_KEY), scored like BATCHES_KEY."""
+    return f"pagedq:batches:of:{owner}"
 
 
 def batch_key(batch_id: str, part: str = "") -> str:

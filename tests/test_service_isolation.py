@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,8 @@ from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, serv
 
 pytestmark = pytest.mark.slow
 QUEUE = "isolation"
+KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN = "key-a-5d1f", "key-b-9c2e", "team-key-1-77aa", "team-key-2-88bb", "admin-key-3e4f"
+A, B, T1, T2, ADMIN = ({"Authorization": f"Bearer {key}"} for key in (KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN))
 WORKER_MAX_NUM_SEQS = 8
 BYSTANDERS = [
     {"prompt_token_ids": [5 + i, 17, 29 + 3 * i, 40 + i], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -48,14 +51,17 @@ def model(tiny_model_dir):
 def service(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("isolation")
     redis_server = RedisServer(tmp / "redis").start()
-    settings = service_settings(model, redis_server.url, tmp, queue_name=QUEUE, max_num_seqs=32, job_retries=2)
+    settings = service_settings(
+        model, redis_server.url, tmp, queue_name=QUEUE, max_num_seqs=32, job_retries=2, api_keys=[KEY_A, KEY_B],
+        tenant_keys={"team": [KEY_T1, KEY_T2]}, admin_api_keys=[KEY_ADMIN], probes_require_key=True,
+    )
     workers = [
         WorkerProcess(settings.with_overrides(max_num_seqs=WORKER_MAX_NUM_SEQS), tmp / f"worker-{i}.log") for i in range(2)
     ]
     api = ApiServer(settings).start()
     try:
-        first = wait_for_worker(api.url)
-        wait_for_worker(api.url, name_not_in={first["name"]})
+        first = wait_for_worker(api.url, headers=ADMIN)
+        wait_for_worker(api.url, name_not_in={first["name"]}, headers=ADMIN)
         yield api, Redis.from_url(redis_server.url), redis_server
     finally:
         api.stop()
@@ -76,14 +82,14 @@ def fetch(redis: Redis, seq_id: str) -> Job:
 def submit_bystanders(api_url: str) -> list[str]:
     ids = []
     for body in BYSTANDERS:
-        response = httpx.post(f"{api_url}/generate", json=body, timeout=10)
+        response = httpx.post(f"{api_url}/generate", headers=A, json=body, timeout=10)
         assert response.status_code == 202, response.text
         ids.append(response.json()["seq_id"])
     return ids
 
 
 def assert_bystanders_finished_first_time(api_url: str, redis: Redis, ids: list[str], expected) -> None:
-    results = [httpx.get(f"{api_url}/result/{i}", params={"wait": 60}, timeout=70).json() for i in ids]
+    results = [httpx.get(f"{api_url}/result/{i}", headers=A, params={"wait": 60}, timeout=70).json() for i in ids]
     assert [r["status"] for r in results] == ["finished"] * len(ids)
     assert [r["token_ids"] for r in results] == expected
     # One result each: no attempt failed and was retried.
@@ -111,10 +117,10 @@ API_POISON = [
 def post(api_url: str, path: str, body, model_name: str) -> httpx.Response:
     if isinstance(body, str):
         return httpx.post(f"{api_url}{path}", content=body.replace('"M"', json.dumps(model_name)),
-                          headers={"Content-Type": "application/json"}, timeout=30)
+                          headers={**A, "Content-Type": "application/json"}, timeout=30)
     if path.startswith("/v1/"):
         body = {"model": model_name, **body}
-    return httpx.post(f"{api_url}{path}", json=body, timeout=30)
+    return httpx.post(f"{api_url}{path}", headers=A, json=body, timeout=30)
 
 
 def queue_poison(redis: Redis, seq_id: str, sampling: dict, beam: dict | None = None, prompt: str | None = "hi") -> None:
@@ -146,17 +152,19 @@ def test_poison_is_refused_and_six_bystanders_finish_on_their_first_attempt(serv
         if path.startswith("/v1/"):
             assert response.json()["error"]["param"].startswith(fragment.split(":")[0])
     # A denormal top_p (0 in float32) used to remove every token: now it keeps the most likely one.
-    denormal = httpx.post(f"{api.url}/generate", json={"prompt_token_ids": [5, 17], "top_p": 5e-324, "max_tokens": 4,
+    denormal = httpx.post(f"{api.url}/generate", headers=A, json={"prompt_token_ids": [5, 17], "top_p": 5e-324, "max_tokens": 4,
                                                         "ignore_eos": True}, timeout=10).json()["seq_id"]
     for seq_id, (sampling, beam, prompt, _) in QUEUE_POISON.items():
         queue_poison(redis, seq_id, sampling, beam, prompt)
 
     assert_bystanders_finished_first_time(api.url, redis, ids, expected)
-    result = httpx.get(f"{api.url}/result/{denormal}", params={"wait": 30}, timeout=40).json()
+    result = httpx.get(f"{api.url}/result/{denormal}", headers=A, params={"wait": 30}, timeout=40).json()
     assert result["token_ids"] == offline_greedy(model, [{"prompt_token_ids": [5, 17], "max_tokens": 4, "ignore_eos": True,
                                                           "temperature": 0}])[0]
     for seq_id, (_, _, _, field) in QUEUE_POISON.items():
-        result = httpx.get(f"{api.url}/result/{seq_id}", params={"wait": 30}, timeout=40).json()
+        # Written without an owner: only an admin key sees them.
+        assert httpx.get(f"{api.url}/result/{seq_id}", headers=A, timeout=10).status_code == 404
+        result = httpx.get(f"{api.url}/result/{seq_id}", headers=ADMIN, params={"wait": 30}, timeout=40).json()
         assert result["status"] == "failed", result
         assert result["error"].startswith(failure_line(InvalidJob)) and field in result["error"], result
         job = fetch(redis, seq_id)
@@ -166,7 +174,7 @@ def test_poison_is_refused_and_six_bystanders_finish_on_their_first_attempt(serv
 def test_v1_answers_400_when_a_worker_refuses_the_input(service, model):
     """n=9 passes this api (max_num_seqs 32) but no worker (8) can run it: the job fails on its input."""
     api, _, _ = service
-    response = httpx.post(f"{api.url}/v1/completions", json={"model": model.name, "prompt": "hi", "n": 9, "max_tokens": 2},
+    response = httpx.post(f"{api.url}/v1/completions", headers=A, json={"model": model.name, "prompt": "hi", "n": 9, "max_tokens": 2},
                           timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -179,12 +187,12 @@ def test_v1_answers_400_when_a_worker_refuses_the_input(service, model):
 def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, model):
     api, redis, _ = service
     body = {"prompt_token_ids": [9, 10, 11], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    followed = httpx.post(f"{api.url}/generate", json=body, timeout=10).json()["seq_id"]
-    waited = httpx.post(f"{api.url}/generate", json=body, timeout=10).json()["seq_id"]
+    followed = httpx.post(f"{api.url}/generate", headers=A, json=body, timeout=10).json()["seq_id"]
+    waited = httpx.post(f"{api.url}/generate", headers=A, json=body, timeout=10).json()["seq_id"]
 
     def follow() -> list[tuple[str, str]]:
         events = []
-        with httpx.stream("GET", f"{api.url}/stream/{followed}", timeout=60) as response:
+        with httpx.stream("GET", f"{api.url}/stream/{followed}", headers=A, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("event: "):
                     events.append(line.removeprefix("event: "))
@@ -192,17 +200,17 @@ def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, model):
 
     with ThreadPoolExecutor(2) as pool:
         stream = pool.submit(follow)
-        result = pool.submit(lambda: httpx.get(f"{api.url}/result/{waited}", params={"wait": 60}, timeout=70))
+        result = pool.submit(lambda: httpx.get(f"{api.url}/result/{waited}", headers=A, params={"wait": 60}, timeout=70))
         wait_until(lambda: redis.xlen(stream_key(followed)) > 3, 30, "the followed job to stream")
         for bad in ("1-99999999999999999999999", "18446744073709551616-0", "1-x", "abc"):
-            response = httpx.get(f"{api.url}/stream/{followed}", headers={"Last-Event-ID": bad}, timeout=10)
+            response = httpx.get(f"{api.url}/stream/{followed}", headers={**A, "Last-Event-ID": bad}, timeout=10)
             assert response.status_code == 400 and "Last-Event-ID" in response.json()["message"], response.text
         events = stream.result(timeout=90)
         assert result.result(timeout=90).status_code == 200
     assert events[-1] == "end" and events.count("delta") >= 1
-    assert httpx.get(f"{api.url}/result/{followed}", timeout=10).json()["status"] == "finished"
+    assert httpx.get(f"{api.url}/result/{followed}", headers=A, timeout=10).json()["status"] == "finished"
     # The largest id Redis takes is accepted (and the stream is replayed after it: nothing).
-    response = httpx.get(f"{api.url}/stream/{followed}", headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10)
+    response = httpx.get(f"{api.url}/stream/{followed}", headers={**A, "Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10)
     assert response.status_code == 200
 
 
@@ -243,16 +251,85 @@ def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(
          "body": {"model": model.name, "prompt": "a\ud800b", "max_tokens": 3}},
     ]
     content = "\n".join(json.dumps(line) for line in lines).encode()
-    upload = httpx.post(f"{api.url}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
-    batch = httpx.post(f"{api.url}/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+    upload = httpx.post(f"{api.url}/v1/files", headers=A, files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
+    batch = httpx.post(f"{api.url}/v1/batches", headers=A, json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
                                                        "completion_window": "24h"}, timeout=60).json()
     assert batch["status"] == "in_progress", batch
-    done = wait_until(lambda: (b := httpx.get(f"{api.url}/v1/batches/{batch['id']}", timeout=30).json())["status"]
+    done = wait_until(lambda: (b := httpx.get(f"{api.url}/v1/batches/{batch['id']}", headers=A, timeout=30).json())["status"]
                       == "completed" and b, 60, "the batch to complete")
     assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
-    errors = [json.loads(line) for line in httpx.get(f"{api.url}/v1/files/{done['error_file_id']}/content", timeout=30).text.splitlines()]
+    errors = [json.loads(line) for line in httpx.get(f"{api.url}/v1/files/{done['error_file_id']}/content", headers=A, timeout=30).text.splitlines()]
     assert [e["custom_id"] for e in errors] == ["surrogate"]
     assert errors[0]["response"]["status_code"] == 400 and "surrogate" in errors[0]["response"]["body"]["error"]["message"]
     for suffix in (":lines", ":outcomes", ":errors", ":lease"):
-        assert httpx.get(f"{api.url}/v1/batches/{batch['id']}{suffix}", timeout=10).status_code == 404
-        assert httpx.post(f"{api.url}/v1/batches/{batch['id']}{suffix}/cancel", timeout=10).status_code == 404
+        assert httpx.get(f"{api.url}/v1/batches/{batch['id']}{suffix}", headers=A, timeout=10).status_code == 404
+        assert httpx.post(f"{api.url}/v1/batches/{batch['id']}{suffix}/cancel", headers=A, timeout=10).status_code == 404
+
+
+# ---- item 5: tenancy ------------------------------------------------------------------------------
+
+
+def test_two_keys_cannot_touch_each_others_jobs_files_or_batches(service, model):
+    api, _, _ = service
+    with httpx.Client(base_url=api.url, timeout=60) as http:
+        job = http.post("/generate", headers=A, json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True}).json()["seq_id"]
+        for headers in (B, T1):
+            assert http.get(f"/result/{job}", headers=headers).status_code == 404
+            assert http.get(f"/result/{job}", headers=headers, params={"wait": 5}).status_code == 404
+            assert http.get(f"/stream/{job}", headers=headers).status_code == 404
+            assert http.delete(f"/result/{job}", headers=headers).status_code == 404
+        assert http.get(f"/result/{job}", headers=ADMIN).status_code == 200
+        assert http.delete(f"/result/{job}", headers=A).json()["status"] == "canceled"  # B's cancel did nothing
+
+        # A named tenant's keys share its work; other keys see none of it.
+        team_job = http.post("/generate", headers=T1, json={"prompt": "hi", "max_tokens": 2}).json()["seq_id"]
+        assert http.get(f"/result/{team_job}", headers=T2, params={"wait": 30}).json()["status"] == "finished"
+        assert http.get(f"/result/{team_job}", headers=A).status_code == 404
+        # The same Idempotency-Key from two tenants names two jobs.
+        ids = {http.post("/generate", headers={**h, "Idempotency-Key": "k1"}, json={"prompt": "hi", "max_tokens": 2}).json()["seq_id"]
+               for h in (A, B)}
+        assert len(ids) == 2
+
+        line = {"custom_id": "one", "method": "POST", "url": "/v1/completions",
+                "body": {"model": model.name, "prompt": [5, 6], "max_tokens": 2}}
+        upload = http.post("/v1/files", headers=A, files={"file": ("in.jsonl", json.dumps(line).encode())},
+                           data={"purpose": "batch"}).json()
+        for request in (("GET", f"/v1/files/{upload['id']}"), ("GET", f"/v1/files/{upload['id']}/content"),
+                        ("DELETE", f"/v1/files/{upload['id']}")):
+            assert http.request(*request, headers=B).status_code == 404, request
+        create = {"input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        assert http.post("/v1/batches", headers=B, json=create).status_code == 404  # B cannot run A's file
+        batch = http.post("/v1/batches", headers=A, json=create).json()
+        assert http.get(f"/v1/batches/{batch['id']}", headers=B).status_code == 404
+        assert http.post(f"/v1/batches/{batch['id']}/cancel", headers=B).status_code == 404
+        assert http.get(f"/result/{batch['id']}-0", headers=B).status_code == 404  # its line's job
+        assert batch["id"] not in [b["id"] for b in http.get("/v1/batches", headers=B).json()["data"]]
+        assert batch["id"] in [b["id"] for b in http.get("/v1/batches", headers=A).json()["data"]]
+        assert batch["id"] in [b["id"] for b in http.get("/v1/batches", headers=ADMIN).json()["data"]]
+        done = wait_until(lambda: (b := http.get(f"/v1/batches/{batch['id']}", headers=A).json())["status"] == "completed" and b,
+                          60, "the batch to complete")
+        assert http.get(f"/v1/files/{done['output_file_id']}/content", headers=B).status_code == 404
+        assert http.get(f"/v1/files/{done['output_file_id']}/content", headers=A).status_code == 200
+        assert http.get(f"/v1/files/{upload['id']}", headers=A).status_code == 200  # B's delete did nothing
+
+        # Probes need a key here (PAGEDQ_PROBES_REQUIRE_KEY); liveness never does.
+        assert http.get("/metrics").status_code == 401 and http.get("/ready").status_code == 401
+        assert http.get("/metrics", headers=B).status_code == 200 and http.get("/ready", headers=B).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_no_key_reaches_a_log_however_it_is_sent(service, caplog):
+    api, _, _ = service
+    caplog.set_level(logging.DEBUG)
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        assert http.get("/result/abc", params={"api_key": KEY_A}).status_code == 401
+        assert http.get(f"/result/abc?key={KEY_B}&wait=1").status_code == 401
+        assert http.get("/result/abc", headers={"Authorization": f"Basic {KEY_T1}"}).status_code == 401
+        assert http.get("/result/abc", headers={"X-Api-Key": KEY_T2}).status_code == 401
+        assert http.get(f"/result/{KEY_ADMIN}", headers=A).status_code == 404  # a key pasted where an id goes
+        assert http.post("/generate", headers=A, json={"prompt": KEY_B, "bogus": 1}).status_code == 422
+    # What the api process logs (the test's own HTTP client logs its URLs too: not the api's).
+    server = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("uvicorn", "pagedq", "api", "rq")))
+    assert "GET /result/abc" in server  # the access log was captured
+    for key in (KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN):
+        assert key not in server
