@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ResponseError
@@ -27,7 +28,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from api.streaming import StreamHub
-from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, failure_line, stream_key
+from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, RequestFailed, failure_line, stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
 
@@ -333,3 +334,58 @@ def test_no_key_reaches_a_log_however_it_is_sent(service, caplog):
     assert "GET /result/abc" in server  # the access log was captured
     for key in (KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN):
         assert key not in server
+
+
+# ---- worker-side isolation: a request the engine fails alone -----------------------------------
+
+
+def test_a_job_the_engine_fails_alone_fails_once_and_the_others_finish(service, model, expected, tmp_path):
+    """The batch worker's own loop (in this process, so a fault can be injected into its
+    real engine: nothing that passes the input rules is known to throw any more). The
+    poison's job fails once with the engine's error, never retried, while the bystanders
+    of the same steps finish with the offline tokens on their first attempt."""
+    from pagedq.engine import LLMEngine
+    from worker.rq.batch_worker import BatchWorker
+    from worker.rq.engine_factory import build_engine
+
+    api, redis, redis_server = service
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="isolation-inproc", job_retries=2)
+    threads = torch.get_num_threads()
+    engine: LLMEngine = build_engine(settings)  # with the workers' one thread, as `expected` was made
+    sampler = engine.sampler
+
+    def poisoned(logits, rows):
+        if any(seq.request.prompt_token_ids == [66, 67, 68] for seq in rows):
+            raise FloatingPointError("poison")
+        return sampler(logits, rows)
+
+    engine.sampler = poisoned
+    queue = Queue("isolation-inproc", connection=redis, serializer=JSONSerializer)
+
+    def enqueue(seq_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        kwargs = {"prompt": None, "prompt_token_ids": prompt_token_ids, "sampling": sampling, "beam": None, "priority": 0,
+                  "enqueued_at": time.time(), "stream": True}
+        queue.enqueue_job(queue.create_job(JOB_FUNCTION, kwargs=kwargs, job_id=seq_id, retry=Retry(max=2)))
+
+    for i, body in enumerate(BYSTANDERS):
+        enqueue(f"inproc-ok-{i}", body["prompt_token_ids"], body["max_tokens"])
+    enqueue("inproc-poison", [66, 67, 68], 8)
+    worker = BatchWorker(engine, settings, Redis.from_url(redis_server.url))
+    worker.bootstrap()
+    try:
+        ids = [f"inproc-ok-{i}" for i in range(len(BYSTANDERS))] + ["inproc-poison"]
+        deadline = time.monotonic() + 60
+        while any(fetch(redis, i).get_status() not in ("finished", "failed") for i in ids):
+            assert time.monotonic() < deadline, "the jobs did not end"
+            worker._tick()
+    finally:
+        worker.teardown()
+        torch.set_num_threads(threads)
+    poison = fetch(redis, "inproc-poison")
+    assert poison.get_status() == "failed" and len(poison.results()) == 1
+    assert poison.latest_result().exc_string.strip().splitlines()[-1].startswith(failure_line(RequestFailed))
+    assert "sampling failed: FloatingPointError('poison')" in poison.latest_result().exc_string
+    jobs = [fetch(redis, f"inproc-ok-{i}") for i in range(len(BYSTANDERS))]
+    assert [job.return_value()["token_ids"] for job in jobs] == expected
+    assert [len(job.results()) for job in jobs] == [1] * len(BYSTANDERS)

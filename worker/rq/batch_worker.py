@@ -473,18 +473,28 @@ class BatchWorker(BaseWorker):
             pipeline.execute()
 
     def _finish(self, entry: InFlight) -> tuple[str, JobState, str]:
+        """Record one finished job (kept in flight should Redis fail, to be retried next tick)."""
         job = entry.job
         payload = entry.payload
+        error = entry.final.error
+        result = None
+        if error is None:
+            try:
+                result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
+            except Exception as exc:  # this job's output alone: the others are recorded
+                self.log.exception("Worker %s: the result of %s could not be built", self.name, job.id)
+                error = f"its result could not be recorded: {exc!r}"
+        if error is not None:
+            # The engine (or its output) failed this request alone, for something it caused: it would again.
+            job.retries_left = 0
+            self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(error)))
+        else:
+            self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
+            self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
-        if entry.final.error is not None:
-            # The engine failed this request alone, for something it caused: it would again.
-            job.retries_left = 0
-            self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(entry.final.error)))
+        if result is None:
             return job.id, "failed", ""
-        result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
-        self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
-        self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
         return job.id, "finished", result.finish_reason or ""
 
     def _fail_inflight(self, exc_info) -> None:
