@@ -71,6 +71,14 @@ def service(model, tmp_path_factory):
         redis_server.stop()
 
 
+@pytest.fixture
+def http(service):
+    """An HTTP client of the api with tenant A's key."""
+    api, _, _ = service
+    with httpx.Client(base_url=api.url, headers=A, timeout=70) as client:
+        yield client
+
+
 @pytest.fixture(scope="module")
 def expected(model):
     return offline_greedy(model, BYSTANDERS)
@@ -80,17 +88,17 @@ def fetch(redis: Redis, seq_id: str) -> Job:
     return Job.fetch(seq_id, connection=redis, serializer=JSONSerializer)
 
 
-def submit_bystanders(api_url: str) -> list[str]:
+def submit_bystanders(http: httpx.Client) -> list[str]:
     ids = []
     for body in BYSTANDERS:
-        response = httpx.post(f"{api_url}/generate", headers=A, json=body, timeout=10)
+        response = http.post("/generate", json=body, timeout=10)
         assert response.status_code == 202, response.text
         ids.append(response.json()["seq_id"])
     return ids
 
 
-def assert_bystanders_finished_first_time(api_url: str, redis: Redis, ids: list[str], expected) -> None:
-    results = [httpx.get(f"{api_url}/result/{i}", headers=A, params={"wait": 60}, timeout=70).json() for i in ids]
+def assert_bystanders_finished_first_time(http: httpx.Client, redis: Redis, ids: list[str], expected) -> None:
+    results = [http.get(f"/result/{i}", params={"wait": 60}, timeout=70).json() for i in ids]
     assert [r["status"] for r in results] == ["finished"] * len(ids)
     assert [r["token_ids"] for r in results] == expected
     # One result each: no attempt failed and was retried.
@@ -115,13 +123,13 @@ API_POISON = [
 ]
 
 
-def post(api_url: str, path: str, body, model_name: str) -> httpx.Response:
+def post(http: httpx.Client, path: str, body, model_name: str) -> httpx.Response:
     if isinstance(body, str):
-        return httpx.post(f"{api_url}{path}", content=body.replace('"M"', json.dumps(model_name)),
-                          headers={**A, "Content-Type": "application/json"}, timeout=30)
+        content = body.replace('"M"', json.dumps(model_name))
+        return http.post(path, content=content, headers={"Content-Type": "application/json"})
     if path.startswith("/v1/"):
         body = {"model": model_name, **body}
-    return httpx.post(f"{api_url}{path}", headers=A, json=body, timeout=30)
+    return http.post(path, json=body)
 
 
 def queue_poison(redis: Redis, seq_id: str, sampling: dict, beam: dict | None = None, prompt: str | None = "hi") -> None:
@@ -142,40 +150,39 @@ QUEUE_POISON = {
 }
 
 
-def test_poison_is_refused_and_six_bystanders_finish_on_their_first_attempt(service, model, expected):
-    api, redis, _ = service
-    ids = submit_bystanders(api.url)
+def test_poison_is_refused_and_six_bystanders_finish_on_their_first_attempt(service, http, model, expected):
+    _, redis, _ = service
+    ids = submit_bystanders(http)
     for path, body, status, fragment in API_POISON:
-        response = post(api.url, path, body, model.name)
+        response = post(http, path, body, model.name)
         assert response.status_code == status, (body, response.text)
         message = response.json()["error"]["message"] if path.startswith("/v1/") else response.json()["message"]
         assert fragment in message, (body, message)
         if path.startswith("/v1/"):
             assert response.json()["error"]["param"].startswith(fragment.split(":")[0])
     # A denormal top_p (0 in float32) used to remove every token: now it keeps the most likely one.
-    denormal = httpx.post(f"{api.url}/generate", headers=A, json={"prompt_token_ids": [5, 17], "top_p": 5e-324, "max_tokens": 4,
+    denormal = http.post("/generate", json={"prompt_token_ids": [5, 17], "top_p": 5e-324, "max_tokens": 4,
                                                         "ignore_eos": True}, timeout=10).json()["seq_id"]
     for seq_id, (sampling, beam, prompt, _) in QUEUE_POISON.items():
         queue_poison(redis, seq_id, sampling, beam, prompt)
 
-    assert_bystanders_finished_first_time(api.url, redis, ids, expected)
-    result = httpx.get(f"{api.url}/result/{denormal}", headers=A, params={"wait": 30}, timeout=40).json()
+    assert_bystanders_finished_first_time(http, redis, ids, expected)
+    result = http.get(f"/result/{denormal}", params={"wait": 30}, timeout=40).json()
     assert result["token_ids"] == offline_greedy(model, [{"prompt_token_ids": [5, 17], "max_tokens": 4, "ignore_eos": True,
                                                           "temperature": 0}])[0]
     for seq_id, (_, _, _, field) in QUEUE_POISON.items():
         # Written without an owner: only an admin key sees them.
-        assert httpx.get(f"{api.url}/result/{seq_id}", headers=A, timeout=10).status_code == 404
-        result = httpx.get(f"{api.url}/result/{seq_id}", headers=ADMIN, params={"wait": 30}, timeout=40).json()
+        assert http.get(f"/result/{seq_id}", timeout=10).status_code == 404
+        result = http.get(f"/result/{seq_id}", headers=ADMIN, params={"wait": 30}, timeout=40).json()
         assert result["status"] == "failed", result
         assert result["error"].startswith(failure_line(InvalidJob)) and field in result["error"], result
         job = fetch(redis, seq_id)
         assert len(job.results()) == 1  # failed once: never retried
 
 
-def test_v1_answers_400_when_a_worker_refuses_the_input(service, model):
+def test_v1_answers_400_when_a_worker_refuses_the_input(service, http, model):
     """n=9 passes this api (max_num_seqs 32) but no worker (8) can run it: the job fails on its input."""
-    api, _, _ = service
-    response = httpx.post(f"{api.url}/v1/completions", headers=A, json={"model": model.name, "prompt": "hi", "n": 9, "max_tokens": 2},
+    response = http.post("/v1/completions", json={"model": model.name, "prompt": "hi", "n": 9, "max_tokens": 2},
                           timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -185,15 +192,15 @@ def test_v1_answers_400_when_a_worker_refuses_the_input(service, model):
 # ---- item 2: one client's stream cursor ---------------------------------------------------------
 
 
-def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, model):
-    api, redis, _ = service
+def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, http, model):
+    _, redis, _ = service
     body = {"prompt_token_ids": [9, 10, 11], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    followed = httpx.post(f"{api.url}/generate", headers=A, json=body, timeout=10).json()["seq_id"]
-    waited = httpx.post(f"{api.url}/generate", headers=A, json=body, timeout=10).json()["seq_id"]
+    followed = http.post("/generate", json=body, timeout=10).json()["seq_id"]
+    waited = http.post("/generate", json=body, timeout=10).json()["seq_id"]
 
     def follow() -> list[tuple[str, str]]:
         events = []
-        with httpx.stream("GET", f"{api.url}/stream/{followed}", headers=A, timeout=60) as response:
+        with http.stream("GET", f"/stream/{followed}", timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("event: "):
                     events.append(line.removeprefix("event: "))
@@ -201,17 +208,17 @@ def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, model):
 
     with ThreadPoolExecutor(2) as pool:
         stream = pool.submit(follow)
-        result = pool.submit(lambda: httpx.get(f"{api.url}/result/{waited}", headers=A, params={"wait": 60}, timeout=70))
+        result = pool.submit(lambda: http.get(f"/result/{waited}", params={"wait": 60}, timeout=70))
         wait_until(lambda: redis.xlen(stream_key(followed)) > 3, 30, "the followed job to stream")
         for bad in ("1-99999999999999999999999", "18446744073709551616-0", "1-x", "abc"):
-            response = httpx.get(f"{api.url}/stream/{followed}", headers={**A, "Last-Event-ID": bad}, timeout=10)
+            response = http.get(f"/stream/{followed}", headers={"Last-Event-ID": bad}, timeout=10)
             assert response.status_code == 400 and "Last-Event-ID" in response.json()["message"], response.text
         events = stream.result(timeout=90)
         assert result.result(timeout=90).status_code == 200
     assert events[-1] == "end" and events.count("delta") >= 1
-    assert httpx.get(f"{api.url}/result/{followed}", headers=A, timeout=10).json()["status"] == "finished"
+    assert http.get(f"/result/{followed}", timeout=10).json()["status"] == "finished"
     # The largest id Redis takes is accepted (and the stream is replayed after it: nothing).
-    response = httpx.get(f"{api.url}/stream/{followed}", headers={**A, "Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10)
+    response = http.get(f"/stream/{followed}", headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10)
     assert response.status_code == 200
 
 
@@ -243,8 +250,7 @@ def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
 # ---- item 4: 500s that were the client's input ---------------------------------------------------
 
 
-def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(service, model):
-    api, _, _ = service
+def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(service, http, model):
     lines = [
         {"custom_id": "fine", "method": "POST", "url": "/v1/completions",
          "body": {"model": model.name, "prompt": [5, 6, 7], "max_tokens": 3}},
@@ -252,19 +258,19 @@ def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(
          "body": {"model": model.name, "prompt": "a\ud800b", "max_tokens": 3}},
     ]
     content = "\n".join(json.dumps(line) for line in lines).encode()
-    upload = httpx.post(f"{api.url}/v1/files", headers=A, files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
-    batch = httpx.post(f"{api.url}/v1/batches", headers=A, json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+    upload = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
+    batch = http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
                                                        "completion_window": "24h"}, timeout=60).json()
     assert batch["status"] == "in_progress", batch
-    done = wait_until(lambda: (b := httpx.get(f"{api.url}/v1/batches/{batch['id']}", headers=A, timeout=30).json())["status"]
+    done = wait_until(lambda: (b := http.get(f"/v1/batches/{batch['id']}", timeout=30).json())["status"]
                       == "completed" and b, 60, "the batch to complete")
     assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
-    errors = [json.loads(line) for line in httpx.get(f"{api.url}/v1/files/{done['error_file_id']}/content", headers=A, timeout=30).text.splitlines()]
+    errors = [json.loads(line) for line in http.get(f"/v1/files/{done['error_file_id']}/content").text.splitlines()]
     assert [e["custom_id"] for e in errors] == ["surrogate"]
     assert errors[0]["response"]["status_code"] == 400 and "surrogate" in errors[0]["response"]["body"]["error"]["message"]
     for suffix in (":lines", ":outcomes", ":errors", ":lease"):
-        assert httpx.get(f"{api.url}/v1/batches/{batch['id']}{suffix}", headers=A, timeout=10).status_code == 404
-        assert httpx.post(f"{api.url}/v1/batches/{batch['id']}{suffix}/cancel", headers=A, timeout=10).status_code == 404
+        assert http.get(f"/v1/batches/{batch['id']}{suffix}", timeout=10).status_code == 404
+        assert http.post(f"/v1/batches/{batch['id']}{suffix}/cancel", timeout=10).status_code == 404
 
 
 # ---- item 5: tenancy ------------------------------------------------------------------------------
