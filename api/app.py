@@ -20,6 +20,7 @@ from redis.asyncio import Redis as AsyncRedis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import batches, files, native_routes, openai_compat
+from api.auth import Keyring, install_key_redactor
 from api.body_limit import BodySizeLimit
 from api.errors import install_error_handlers
 from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
@@ -99,6 +100,8 @@ def create_app(settings: Settings) -> FastAPI:
     # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN.
     app = FastAPIOffline(title="pagedq", description=__doc__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.keyring = Keyring(settings)
+    install_key_redactor(settings)
     app.state.metrics = metrics
     app.state.prompts = checker
     app.state.openai = openai_compat.OpenAITranslator(settings, checker)

@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,14 +43,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api.auth import authenticate
+from api.auth import ANYONE, Caller, authenticate
 from api.errors import ApiError, openai_error_body
 from api.files import FileConflict, FileStore
-from api.jobs import JobStore
+from api.jobs import JobStore, invalid_input
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.threads import blocking
 from pagedq.protocol import JobPayload
-from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state
+from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state, tenant_batches_key
+from pagedq.request_rules import ValidInput
 from pagedq.settings import Settings
 
 log = logging.getLogger("pagedq.api")
@@ -57,6 +59,7 @@ log = logging.getLogger("pagedq.api")
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
+BATCH_ID_PATTERN = re.compile(r"^batch_[0-9a-f]{32}$")
 _CHUNK_LINES = 256
 _LEASE_S = 60
 # Deletes a lease only if it is still ours. KEYS: the lease. ARGV: our token.
@@ -103,12 +106,14 @@ class BatchRecord(BatchObject):
 
     lines_read: int = 0
     request_sha256: str
+    # The tenant that created it (api.auth.Caller.tenant); its line jobs and files are that tenant's too.
+    owner: str = ""
 
     def public(self) -> dict:
-        return BatchObject.model_validate(self.model_dump(exclude={"lines_read", "request_sha256"})).model_dump()
+        return BatchObject.model_validate(self.model_dump(exclude={"lines_read", "request_sha256", "owner"})).model_dump()
 
 
-class BatchCreate(BaseModel):
+class BatchCreate(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
@@ -144,42 +149,47 @@ class BatchStore:
 
     # ---- records ------------------------------------------------------------------------
 
-    def get(self, batch_id: str) -> BatchRecord | None:
+    def get(self, batch_id: str, caller: Caller = ANYONE) -> BatchRecord | None:
+        """The batch, if the caller may see it: another tenant's batch is as absent as none."""
+        if not BATCH_ID_PATTERN.match(batch_id):
+            return None  # not an id this api makes (and "<id>:lines" names another of its keys)
         raw = self.connection.get(batch_key(batch_id))
-        return BatchRecord.model_validate_json(raw) if raw else None
+        record = BatchRecord.model_validate_json(raw) if raw else None
+        return record if record is not None and caller.owns(record.owner) else None
 
     def _save(self, record: BatchRecord, pipeline=None) -> None:
         (pipeline or self.connection).set(batch_key(record.id), record.model_dump_json(), ex=self.settings.files_ttl_s)
 
-    def list(self, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
-        """Newest first; `after`: the last id of the previous page."""
+    def list(self, limit: int, after: str | None, caller: Caller) -> tuple[list[BatchRecord], bool]:
+        """The caller's batches (an admin's: everyone's), newest first; `after`: the last id of the previous page."""
+        key = BATCHES_KEY if caller.admin else tenant_batches_key(caller.tenant)
         start = 0
         if after is not None:
-            rank = self.connection.zrevrank(BATCHES_KEY, after)
+            rank = self.connection.zrevrank(key, after)
             start = rank + 1 if rank is not None else 0
-        ids = [i.decode() for i in self.connection.zrevrange(BATCHES_KEY, start, start + limit)]
+        ids = [i.decode() for i in self.connection.zrevrange(key, start, start + limit)]
         records = [self.get(batch_id) for batch_id in ids]
         gone = [batch_id for batch_id, record in zip(ids, records) if record is None]
         if gone:
-            self.connection.zrem(BATCHES_KEY, *gone)  # expired
+            self.connection.zrem(key, *gone)  # expired
         present = [record for record in records if record is not None]
         return present[:limit], len(ids) > limit
 
-    def create(self, body: BatchCreate, idempotency_key: str | None, api_key: str) -> BatchRecord:
+    def create(self, body: BatchCreate, idempotency_key: str | None, caller: Caller) -> BatchRecord:
         if body.endpoint not in REQUEST_MODELS:
             raise ApiError(400, f"endpoint: one of {', '.join(REQUEST_MODELS)}, got {body.endpoint!r}", param="endpoint")
         if body.completion_window not in COMPLETION_WINDOWS:
             raise ApiError(400, f"completion_window: one of {', '.join(COMPLETION_WINDOWS)}, got {body.completion_window!r}",
                            param="completion_window")
         stored = self.files.get(body.input_file_id)
-        if stored is None:
+        if stored is None or not caller.owns(stored.owner):
             raise ApiError(404, f"input_file_id: no file {body.input_file_id!r}", param="input_file_id", code="file_not_found")
         if stored.purpose != "batch":
             raise ApiError(400, f"input_file_id: file {body.input_file_id} has purpose {stored.purpose!r}, not 'batch'",
                            param="input_file_id")
         request_sha256 = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
         if idempotency_key:
-            digest = hashlib.sha256(f"batch\0{api_key}\0{idempotency_key}".encode()).hexdigest()
+            digest = hashlib.sha256(f"batch\0{caller.tenant}\0{idempotency_key}".encode()).hexdigest()
             batch_id = f"batch_{digest[:32]}"
         else:
             batch_id = f"batch_{uuid.uuid4().hex}"
@@ -188,15 +198,17 @@ class BatchStore:
             id=batch_id, endpoint=body.endpoint, model=self.translator.model_id, input_file_id=body.input_file_id,
             completion_window=body.completion_window, status="validating", created_at=now,
             expires_at=now + COMPLETION_WINDOWS[body.completion_window], metadata=body.metadata,
-            request_sha256=request_sha256,
+            request_sha256=request_sha256, owner=caller.tenant,
         )
         if self.connection.set(batch_key(batch_id), record.model_dump_json(), nx=True, ex=self.settings.files_ttl_s):
             with self.connection.pipeline() as pipeline:
                 pipeline.zadd(BATCHES_KEY, {batch_id: time.time()})
+                pipeline.zadd(tenant_batches_key(caller.tenant), {batch_id: time.time()})
+                pipeline.expire(tenant_batches_key(caller.tenant), self.settings.files_ttl_s)
                 pipeline.sadd(ACTIVE_BATCHES_KEY, batch_id)
                 pipeline.execute()
         else:
-            existing = self.get(batch_id)
+            existing = self.get(batch_id, caller)
             if existing is None or existing.request_sha256 != request_sha256:
                 raise ApiError(409, "Idempotency-Key: already used for a different batch", code="idempotency_conflict")
         # Runs (or resumes) the fan-out now, so the answer says which lines were accepted.
@@ -358,7 +370,7 @@ class BatchStore:
                 if error is not None:
                     pipeline.hset(batch_key(record.id, "errors"), str(index), error)
                 else:
-                    self.jobs.enqueue_batch_line(pipeline, line_job_id(record.id, index), payload, result_ttl_s)
+                    self.jobs.enqueue_batch_line(pipeline, line_job_id(record.id, index), payload, result_ttl_s, record.owner)
                     queued += 1
             for part in ("lines", "errors"):
                 pipeline.expire(batch_key(record.id, part), ttl)
@@ -438,7 +450,7 @@ class BatchStore:
         file_id = f"file-{record.id}-{kind}"
         chunks = (line.encode() + b"\n" for line in lines)
         try:
-            return self.files.create(chunks, f"{record.id}_{kind}.jsonl", "batch_output", file_id).id
+            return self.files.create(chunks, f"{record.id}_{kind}.jsonl", "batch_output", record.owner, file_id).id
         except FileConflict:
             # Written by an earlier finalizing of this batch, since when results expired: keep it.
             return file_id
@@ -476,8 +488,12 @@ class BatchStore:
             else:
                 job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JSONSerializer)[0]
                 message = JobStore.failure_message(job) if job is not None else "the job is gone"
-                yield _response_line(record.id, index, custom_id, 500,
-                                     openai_error_body(500, f"the request failed: {message}", code="job_failed"))
+                if (invalid := invalid_input(message)) is not None:
+                    yield _response_line(record.id, index, custom_id, 400,
+                                         openai_error_body(400, invalid, code="invalid_request"))
+                else:
+                    yield _response_line(record.id, index, custom_id, 500,
+                                         openai_error_body(500, f"the request failed: {message}", code="job_failed"))
 
 
 async def supervise(app: FastAPI) -> None:
@@ -488,7 +504,13 @@ async def supervise(app: FastAPI) -> None:
 
     def advance_all() -> None:
         for batch_id in store.connection.smembers(ACTIVE_BATCHES_KEY):
-            store.advance(batch_id.decode())
+            try:
+                store.advance(batch_id.decode())
+            except (RedisConnectionError, RedisTimeoutError):
+                raise
+            except Exception:
+                # One batch's fault must not stop the others from advancing.
+                log.exception("batch supervisor: advancing batch %s failed; retrying next round", batch_id.decode())
 
     while True:
         try:
@@ -502,7 +524,8 @@ async def supervise(app: FastAPI) -> None:
 
 # ---- endpoints ----------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1/batches", dependencies=[Depends(authenticate)], tags=["Batch API"])
+router = APIRouter(prefix="/v1/batches", tags=["Batch API"])
+Auth = Annotated[Caller, Depends(authenticate)]
 
 
 def _store(request: Request) -> BatchStore:
@@ -510,6 +533,7 @@ def _store(request: Request) -> BatchStore:
 
 
 def _found(record: BatchRecord | None, batch_id: str) -> BatchRecord:
+    """The record, or 404 (for another tenant's batch too)."""
     if record is None:
         raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
     return record
@@ -517,29 +541,30 @@ def _found(record: BatchRecord | None, batch_id: str) -> BatchRecord:
 
 @router.post("")
 async def create_batch(
-    body: BatchCreate, request: Request, api_key: Annotated[str, Depends(authenticate)],
-    idempotency_key: Annotated[str | None, Header()] = None,
+    body: BatchCreate, request: Request, caller: Auth, idempotency_key: Annotated[str | None, Header()] = None,
 ) -> dict:
-    record = await blocking(request, _store(request).create, body, idempotency_key, api_key)
+    record = await blocking(request, _store(request).create, body, idempotency_key, caller)
     request.app.state.metrics.batches_created.inc()
     return record.public()
 
 
 @router.get("")
 async def list_batches(
-    request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
+    request: Request, caller: Auth, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
 ) -> dict:
-    records, has_more = await blocking(request, _store(request).list, limit, after)
+    records, has_more = await blocking(request, _store(request).list, limit, after, caller)
     data = [record.public() for record in records]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
 @router.get("/{batch_id}")
-async def get_batch(batch_id: str, request: Request) -> dict:
+async def get_batch(batch_id: str, request: Request, caller: Auth) -> dict:
+    _found(await blocking(request, _store(request).get, batch_id, caller), batch_id)
     return _found(await blocking(request, _store(request).advance, batch_id), batch_id).public()
 
 
 @router.post("/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, request: Request) -> dict:
+async def cancel_batch(batch_id: str, request: Request, caller: Auth) -> dict:
+    _found(await blocking(request, _store(request).get, batch_id, caller), batch_id)
     return _found(await blocking(request, _store(request).request_cancel, batch_id), batch_id).public()

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from redis import Redis
 
-from api.auth import authenticate
+from api.auth import Caller, authenticate
 from api.errors import ApiError
 from api.threads import blocking
 from pagedq.redis_schema import file_content_key, file_meta_key
@@ -65,6 +65,8 @@ class FileObject(BaseModel):
 
 class StoredFile(FileObject):
     sha256: str
+    # The tenant that uploaded it, or whose batch wrote it (api.auth.Caller.tenant).
+    owner: str = ""
 
 
 class FileTooLarge(Exception):
@@ -84,7 +86,7 @@ class FileStore:
             self.directory.mkdir(parents=True, exist_ok=True)
 
     def create(
-        self, chunks: Iterable[bytes], filename: str, purpose: str, file_id: str | None = None,
+        self, chunks: Iterable[bytes], filename: str, purpose: str, owner: str, file_id: str | None = None,
         max_bytes: int | None = None,
     ) -> StoredFile:
         """Store a file; `file_id` None: a new id. FileTooLarge past `max_bytes`; FileConflict
@@ -102,7 +104,7 @@ class FileStore:
                 self._append(upload, chunk)
             now = int(time.time())
             stored = StoredFile(id=file_id, bytes=size, created_at=now, filename=filename, purpose=purpose,
-                                expires_at=now + self.ttl_s, sha256=digest.hexdigest())
+                                expires_at=now + self.ttl_s, sha256=digest.hexdigest(), owner=owner)
             claimed = self._claim(upload, stored)
         finally:
             self._discard(upload)
@@ -176,23 +178,25 @@ class FileStore:
         return True
 
 
-def idempotent_file_id(idempotency_key: str, api_key: str) -> str:
-    digest = hashlib.sha256(f"file\0{api_key}\0{idempotency_key}".encode()).hexdigest()
+def idempotent_file_id(idempotency_key: str, owner: str) -> str:
+    digest = hashlib.sha256(f"file\0{owner}\0{idempotency_key}".encode()).hexdigest()
     return f"file-{digest[:32]}"
 
 
 # ---- endpoints ----------------------------------------------------------------------------
 
-router = APIRouter(prefix="/v1/files", dependencies=[Depends(authenticate)], tags=["Batch API"])
+router = APIRouter(prefix="/v1/files", tags=["Batch API"])
+Auth = Annotated[Caller, Depends(authenticate)]
 
 
 def _public(stored: StoredFile) -> dict:
-    return FileObject.model_validate(stored.model_dump(exclude={"sha256"})).model_dump()
+    return FileObject.model_validate(stored.model_dump(exclude={"sha256", "owner"})).model_dump()
 
 
-def _existing(request: Request, file_id: str) -> StoredFile:
+def _existing(request: Request, file_id: str, caller: Caller) -> StoredFile:
+    """The file, if the caller may see it: another tenant's file is as absent as none."""
     stored = request.app.state.files.get(file_id)
-    if stored is None:
+    if stored is None or not caller.owns(stored.owner):
         raise ApiError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
     return stored
 
@@ -200,7 +204,7 @@ def _existing(request: Request, file_id: str) -> StoredFile:
 @router.post("")
 async def upload_file(
     request: Request,
-    api_key: Annotated[str, Depends(authenticate)],
+    caller: Auth,
     file: Annotated[UploadFile, File(description="JSONL, one request per line (OpenAI's batch input format).")],
     purpose: Annotated[str, Form()],
     idempotency_key: Annotated[str | None, Header()] = None,
@@ -209,11 +213,11 @@ async def upload_file(
         raise ApiError(400, f"purpose: only 'batch' files are accepted, got {purpose!r}", param="purpose")
     files: FileStore = request.app.state.files
     settings: Settings = request.app.state.settings
-    file_id = idempotent_file_id(idempotency_key, api_key) if idempotency_key else None
+    file_id = idempotent_file_id(idempotency_key, caller.tenant) if idempotency_key else None
     chunks = iter(lambda: file.file.read(_CHUNK_BYTES), b"")
     try:
         stored = await blocking(request, lambda: files.create(
-            chunks, file.filename or "upload.jsonl", "batch", file_id, settings.max_file_bytes))
+            chunks, file.filename or "upload.jsonl", "batch", caller.tenant, file_id, settings.max_file_bytes))
     except FileTooLarge as exc:
         raise ApiError(413, str(exc), param="file") from None
     except FileConflict:
@@ -222,18 +226,18 @@ async def upload_file(
 
 
 @router.get("/{file_id}")
-async def get_file(file_id: str, request: Request) -> dict:
-    return _public(await blocking(request, _existing, request, file_id))
+async def get_file(file_id: str, request: Request, caller: Auth) -> dict:
+    return _public(await blocking(request, _existing, request, file_id, caller))
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse)
-async def file_content(file_id: str, request: Request) -> StreamingResponse:
-    await blocking(request, _existing, request, file_id)
+async def file_content(file_id: str, request: Request, caller: Auth) -> StreamingResponse:
+    await blocking(request, _existing, request, file_id, caller)
     return StreamingResponse(request.app.state.files.chunks(file_id), media_type="application/octet-stream")
 
 
 @router.delete("/{file_id}")
-async def delete_file(file_id: str, request: Request) -> dict:
-    await blocking(request, _existing, request, file_id)
+async def delete_file(file_id: str, request: Request, caller: Auth) -> dict:
+    await blocking(request, _existing, request, file_id, caller)
     await blocking(request, request.app.state.files.delete, file_id)
     return {"id": file_id, "object": "file", "deleted": True}

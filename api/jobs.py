@@ -20,13 +20,17 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
+from api.auth import ANYONE, Caller
 from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
 from pagedq.redis_schema import (
     BODY_HASH_META_KEY,
     JOB_FUNCTION,
+    OWNER_META_KEY,
+    InvalidJob,
     JobState,
     batch_queue_name,
     cancels_key,
+    failure_line,
     job_state,
     publish_end,
     read_progress,
@@ -74,9 +78,9 @@ class AlreadyFinished(Exception):
     pass
 
 
-def idempotent_seq_id(idempotency_key: str, api_key: str) -> str:
-    """The seq_id a key maps to; scoped by API key so two clients' keys never collide."""
-    digest = hashlib.sha256(f"{api_key}\0{idempotency_key}".encode()).hexdigest()
+def idempotent_seq_id(idempotency_key: str, owner: str) -> str:
+    """The seq_id a key maps to; scoped by tenant so two tenants' keys never collide."""
+    digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()
     return f"idem-{digest[:40]}"
 
 
@@ -115,17 +119,17 @@ class JobStore:
         )
 
     def submit(
-        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, api_key: str,
+        self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
         stream: bool = True,
     ) -> tuple[str, JobState]:
-        """Queue an interactive job; `stream` false: nobody will follow its deltas."""
+        """Queue an interactive job for `owner` (a Caller's tenant); `stream` false: nobody will follow its deltas."""
         if self.queue.count >= self.settings.max_queue_depth:
             raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
-        seq_id = idempotent_seq_id(idempotency_key, api_key) if idempotency_key else uuid.uuid4().hex
+        seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
-            self.queue, seq_id, self.payload(request, prompt_token_ids, stream), {BODY_HASH_META_KEY: body_hash},
-            self.settings.result_ttl_s,
+            self.queue, seq_id, self.payload(request, prompt_token_ids, stream),
+            {BODY_HASH_META_KEY: body_hash, OWNER_META_KEY: owner}, self.settings.result_ttl_s,
         )
         try:
             self.queue.enqueue_job(job, unique=True)
@@ -134,9 +138,12 @@ class JobStore:
         self.on_enqueued(self.queue.name, 1)
         return seq_id, "queued"
 
-    def enqueue_batch_line(self, pipeline: Pipeline, seq_id: str, payload: JobPayload, result_ttl_s: int) -> None:
-        """Queue one batch line's job in the caller's transaction (which the caller runs)."""
-        self.batch_queue.enqueue_job(self._new_job(self.batch_queue, seq_id, payload, {}, result_ttl_s), pipeline=pipeline)
+    def enqueue_batch_line(
+        self, pipeline: Pipeline, seq_id: str, payload: JobPayload, result_ttl_s: int, owner: str
+    ) -> None:
+        """Queue one batch line's job (the batch owner's) in the caller's transaction (which the caller runs)."""
+        job = self._new_job(self.batch_queue, seq_id, payload, {OWNER_META_KEY: owner}, result_ttl_s)
+        self.batch_queue.enqueue_job(job, pipeline=pipeline)
 
     def _replay(self, seq_id: str, body_hash: str) -> JobState:
         """A resubmission with a known Idempotency-Key: the same job, if the body is the same."""
@@ -147,8 +154,9 @@ class JobStore:
             raise IdempotencyConflict("Idempotency-Key: already used with a different request body")
         return job_state(job.get_status(refresh=False)) or "queued"
 
-    def snapshot(self, seq_id: str) -> ResultResponse | None:
-        job = self._fetch(seq_id)
+    def snapshot(self, seq_id: str, caller: Caller) -> ResultResponse | None:
+        """The job as GET /result shows it; None when there is no such job or it is another tenant's."""
+        job = self._fetch(seq_id, caller)
         if job is None:
             return None
         state = job_state(job.get_status(refresh=False)) or "queued"
@@ -167,7 +175,7 @@ class JobStore:
         usage = None
         if progress.attempt or state == "running":
             # A job just started may not have its first progress written yet: its payload knows the prompt.
-            prompt_tokens = progress.prompt_tokens or len(JobPayload.model_validate(job.kwargs).prompt_token_ids)
+            prompt_tokens = progress.prompt_tokens or _prompt_tokens(job)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids))
         response = ResultResponse(
             seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings, usage=usage,
@@ -179,8 +187,8 @@ class JobStore:
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
         return response
 
-    def cancel(self, seq_id: str) -> ResultResponse | None:
-        job = self._fetch(seq_id)
+    def cancel(self, seq_id: str, caller: Caller) -> ResultResponse | None:
+        job = self._fetch(seq_id, caller)
         if job is None:
             return None
         state = job_state(job.get_status(refresh=False))
@@ -196,7 +204,7 @@ class JobStore:
                 pipeline.incr(cancels_key(self.settings.queue_name))
                 publish_end(pipeline, seq_id, "canceled", self.settings.stream_ttl_s, finish_reason="abort")
                 pipeline.execute()
-        return self.snapshot(seq_id)
+        return self.snapshot(seq_id, caller)
 
     def cancel_many(self, seq_ids: list[str]) -> None:
         """Cancel many jobs at once (a batch's lines): queued ones never run, running ones
@@ -229,7 +237,8 @@ class JobStore:
             self.connection.incr(cancels_key(self.settings.queue_name))
 
     def outcome(self, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
-        """A job's state, with its result when finished or its error when failed."""
+        """A job's state, with its result when finished or its error when failed (the api's
+        own reading of a job it just made for the caller: no tenancy check)."""
         job = self._fetch(seq_id)
         if job is None:
             return None, None, None
@@ -241,11 +250,13 @@ class JobStore:
             return state, GenerationResult.model_validate(job.return_value()), None
         return state, None, self.failure_message(job) if state == "failed" else None
 
-    def _fetch(self, seq_id: str) -> Job | None:
+    def _fetch(self, seq_id: str, caller: Caller = ANYONE) -> Job | None:
+        """The job, if it exists and the caller may see it: another tenant's job is as absent as none."""
         try:
-            return Job.fetch(seq_id, connection=self.connection, serializer=JSONSerializer)
+            job = Job.fetch(seq_id, connection=self.connection, serializer=JSONSerializer)
         except NoSuchJobError:
             return None
+        return job if caller.owns(job.meta.get(OWNER_META_KEY, "")) else None
 
     @staticmethod
     def failure_message(job: Job) -> str:
@@ -254,3 +265,18 @@ class JobStore:
         # The exception's own line, not the worker's traceback.
         lines = [line for line in exc_string.strip().splitlines() if line.strip()]
         return lines[-1] if lines else "job failed"
+
+
+def invalid_input(failure: str | None) -> str | None:
+    """The client-facing message of a job that failed on its input (the client's error, a
+    4xx), or None for any other failure (the server's, a 5xx)."""
+    prefix = failure_line(InvalidJob)
+    return failure.removeprefix(prefix) if failure and failure.startswith(prefix) else None
+
+
+def _prompt_tokens(job: Job) -> int:
+    """The prompt's length from the job's payload (0 for a payload no worker would run)."""
+    try:
+        return len(JobPayload.read(job.kwargs).prompt_token_ids)
+    except InvalidJob:
+        return 0

@@ -13,18 +13,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis import Redis
 from rq.worker_registration import get_keys as registered_worker_keys
 
-from api.auth import authenticate
+from api.auth import Caller, authenticate, authenticate_probe
 from api.errors import ApiError, error_response
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull
 from api.prompts import PromptChecker
-from api.streaming import STREAM_ID_PATTERN, StreamReader
+from api.streaming import StreamReader, valid_stream_id
 from api.threads import blocking
 from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
 
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
-# The caller's API key ("" with auth off); module-level so FastAPI can resolve the annotation.
-Auth = Annotated[str, Depends(authenticate)]
+# Who calls (api.auth.ANYONE with auth off); module-level so FastAPI can resolve the annotation.
+Auth = Annotated[Caller, Depends(authenticate)]
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
 
 router = APIRouter()
@@ -40,7 +40,7 @@ def _check_seq_id(seq_id: str) -> str:
 async def generate(
     body: GenerateRequest,
     request: Request,
-    api_key: Auth,
+    caller: Auth,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> SubmitResponse:
     if idempotency_key is not None and not _IDEMPOTENCY_KEY_PATTERN.match(idempotency_key):
@@ -53,7 +53,7 @@ async def generate(
             prompt_token_ids = checker.prompt_token_ids(body)
         except ValueError as exc:
             raise ApiError(422, str(exc)) from exc
-        return store.submit(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, api_key)
+        return store.submit(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, caller.tenant)
 
     try:
         seq_id, status = await blocking(request, submit)
@@ -67,23 +67,24 @@ async def generate(
 async def result(
     seq_id: str,
     request: Request,
-    api_key: Auth,
+    caller: Auth,
     wait: Annotated[float, Query(ge=0, description="Seconds to wait for the job to end (bounded).")] = 0,
 ) -> ResultResponse:
     _check_seq_id(seq_id)
     store: JobStore = request.app.state.store
-    if wait > 0:
-        await request.app.state.streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
-    snapshot = await blocking(request, store.snapshot, seq_id)
+    streams: StreamReader = request.app.state.streams
+    if wait > 0 and await streams.visible_state(seq_id, caller) is not None:
+        await streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
+    snapshot = await blocking(request, store.snapshot, seq_id, caller)
     if snapshot is None:
         raise ApiError(404, f"no job {seq_id!r}")
     return snapshot
 
 @router.delete("/result/{seq_id}", response_model=ResultResponse, responses=_ERRORS)
-async def cancel(seq_id: str, request: Request, api_key: Auth) -> ResultResponse:
+async def cancel(seq_id: str, request: Request, caller: Auth) -> ResultResponse:
     _check_seq_id(seq_id)
     try:
-        snapshot = await blocking(request, request.app.state.store.cancel, seq_id)
+        snapshot = await blocking(request, request.app.state.store.cancel, seq_id, caller)
     except AlreadyFinished as exc:
         raise ApiError(409, str(exc)) from exc
     if snapshot is None:
@@ -94,14 +95,14 @@ async def cancel(seq_id: str, request: Request, api_key: Auth) -> ResultResponse
 async def stream(
     seq_id: str,
     request: Request,
-    api_key: Auth,
+    caller: Auth,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     _check_seq_id(seq_id)
-    if last_event_id is not None and not re.match(STREAM_ID_PATTERN, last_event_id):
+    if last_event_id is not None and not valid_stream_id(last_event_id):
         raise ApiError(400, "Last-Event-ID: expected an event id like '1700000000000-0'")
     streams: StreamReader = request.app.state.streams
-    if await streams.state(seq_id) is None:
+    if await streams.visible_state(seq_id, caller) is None:
         raise ApiError(404, f"no job {seq_id!r}")
     return StreamingResponse(
         streams.events(seq_id, last_event_id),
@@ -113,11 +114,11 @@ async def stream(
 def health() -> dict:
     return {"status": "ok"}
 
-@router.get("/metrics", response_class=Response)
+@router.get("/metrics", response_class=Response, dependencies=[Depends(authenticate_probe)])
 async def prometheus_metrics(request: Request) -> Response:
     return Response(await blocking(request, request.app.state.metrics.exposition), media_type=CONTENT_TYPE)
 
-@router.get("/ready", responses={503: {"model": ErrorResponse}})
+@router.get("/ready", responses={503: {"model": ErrorResponse}}, dependencies=[Depends(authenticate_probe)])
 async def ready(request: Request) -> JSONResponse:
     # Redis unreachable: 503 from the error handler.
     queue = request.app.state.store.queue

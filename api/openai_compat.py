@@ -24,9 +24,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from api.auth import authenticate
+from api.auth import ANYONE, Caller, authenticate
 from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
-from api.jobs import AlreadyFinished, JobStore, QueueFull
+from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
@@ -93,9 +93,7 @@ class OpenAITranslator:
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
         except ValueError as exc:
-            message = str(exc)
-            param = message.partition(":")[0] if ":" in message and " " not in message.partition(":")[0] else None
-            raise ApiError(400, message, param=param) from None
+            raise ApiError(400, str(exc), param=_param(str(exc))) from None
 
     # ---- responses ----------------------------------------------------------------------
 
@@ -155,6 +153,12 @@ class OpenAITranslator:
         ]}
 
 
+def _param(message: str) -> str | None:
+    """The field an error message names first ("n: ..." names n), as OpenAI's `param`."""
+    head, colon, _ = message.partition(":")
+    return head if colon and " " not in head else None
+
+
 # ---- endpoints ----------------------------------------------------------------------------
 
 
@@ -175,23 +179,23 @@ async def get_model(model: str, request: Request) -> dict:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request, api_key: Annotated[str, Depends(authenticate)]):
-    return await _serve(request, COMPLETIONS, body, api_key)
+async def completions(body: CompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
+    return await _serve(request, COMPLETIONS, body, caller)
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request, api_key: Annotated[str, Depends(authenticate)]):
-    return await _serve(request, CHAT, body, api_key)
+async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
+    return await _serve(request, CHAT, body, caller)
 
 
-async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_key: str) -> JSONResponse | StreamingResponse:
+async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller) -> JSONResponse | StreamingResponse:
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
 
     def submit() -> tuple[str, GenerateRequest]:
         generate, prompt_token_ids = translator.prepare(endpoint, body)
-        seq_id, _ = store.submit(generate, prompt_token_ids, None, api_key, stream=body.stream)
+        seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
         return seq_id, generate
 
     try:
@@ -206,7 +210,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
     state = await _wait(request, seq_id, settings.completion_timeout_s)
     if state not in TERMINAL:
         try:
-            await blocking(request, store.cancel, seq_id)
+            await blocking(request, store.cancel, seq_id, ANYONE)
         except AlreadyFinished:
             pass  # it ended just now: answer it
         else:
@@ -215,6 +219,8 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, api_
                            code="timeout")
     state, result, error = await blocking(request, store.outcome, seq_id)
     if state == "failed":
+        if (invalid := invalid_input(error)) is not None:
+            raise ApiError(400, invalid, param=_param(invalid), code="invalid_request")
         raise ApiError(500, f"job {seq_id} failed: {error}", code="job_failed")
     if result is None:
         raise ApiError(409, f"job {seq_id} was {state or 'deleted'} before it finished", code="canceled")
@@ -240,7 +246,7 @@ def _cancel_in_background(request: Request, seq_id: str) -> None:
 
     def cancel() -> None:
         try:
-            store.cancel(seq_id)
+            store.cancel(seq_id, ANYONE)
         except AlreadyFinished:
             pass
 
@@ -266,8 +272,8 @@ async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, inc
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return _sse({**base, "choices": [choice]})
 
-    def error(message: str, code: str) -> str:
-        return _sse(openai_error_body(500, message, code=code)) + _sse("[DONE]")
+    def error(message: str, code: str, status: int = 500) -> str:
+        return _sse(openai_error_body(status, message, _param(message) if status < 500 else None, code)) + _sse("[DONE]")
 
     done = False
     sent: dict[int, str] = {}
@@ -302,7 +308,9 @@ async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, inc
                 elif kind == "end":
                     done = True
                     state, result, failure = await blocking(request, store.outcome, seq_id)
-                    if result is None:
+                    if (invalid := invalid_input(failure)) is not None:
+                        out.append(error(invalid, "invalid_request", 400))
+                    elif result is None:
                         out.append(error(f"job {seq_id} {state}: {failure or 'canceled'}", f"job_{state}"))
                     else:
                         out += [chunk(output.index, None, output.finish_reason) for output in result.outputs]

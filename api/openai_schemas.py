@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.protocol import GenerateRequest
+from pagedq.request_rules import ValidInput
 
 # Fields passed on to SamplingParams under the same name.
 _SAMPLING = (
@@ -28,7 +29,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
@@ -108,14 +109,14 @@ class CompletionRequest(_OpenAIRequest):
         return GenerateRequest(**prompt, **self._sampling(16, self.logprobs))
 
 
-class TextPart(BaseModel):
+class TextPart(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"] = Field(description="Only text parts: the served models read text.")
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]

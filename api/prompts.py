@@ -13,6 +13,7 @@ from pagedq.model_info import (
     resolve_max_model_len,
 )
 from pagedq.protocol import GenerateRequest
+from pagedq.request_rules import check_width
 from pagedq.sampling_params import SamplingParams
 from pagedq.settings import Settings
 
@@ -28,6 +29,8 @@ class PromptChecker:
         # Checked once here (a bad value is the checkpoint's fault, not a request's).
         defaults = generation_defaults(model)
         self.generation_defaults = SamplingParams(**defaults).model_dump(include=set(defaults))
+        # The workers' engines are built from the same settings.
+        self.max_num_seqs = settings.max_num_seqs
         # Fast tokenizers are not safe to share across the threadpool's threads.
         self._lock = threading.Lock()
 
@@ -41,6 +44,10 @@ class PromptChecker:
 
     def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
+        if request.use_beam_search:
+            check_width("beam_width", request.beam_width, self.max_num_seqs)
+        else:
+            check_width("n", request.n, self.max_num_seqs)
         self._check_token_ids("stop_token_ids", request.stop_token_ids or [])
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
@@ -48,10 +55,16 @@ class PromptChecker:
         elif request.messages is not None:
             ids = self.chat_token_ids([message.model_dump() for message in request.messages])
         else:
-            with self._lock:
-                ids = self.tokenizer.encode(request.prompt)
+            ids = self._encode(request.prompt)
         self._check_length(len(ids), request.max_tokens)
         return ids
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            with self._lock:
+                return self.tokenizer.encode(text)
+        except (TypeError, UnicodeError) as exc:  # schemas refuse lone surrogates; anything else the tokenizer refuses
+            raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The messages through the checkpoint's chat template, as token ids."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,17 +24,38 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 
-from pagedq.redis_schema import TERMINAL, Entry, Event, JobState, api_wake_key, is_end, job_state, read_events, stream_key
+from api.auth import Caller
+from pagedq.redis_schema import (
+    TERMINAL,
+    Entry,
+    Event,
+    JobState,
+    api_wake_key,
+    is_end,
+    job_state,
+    owner_of,
+    read_events,
+    stream_key,
+)
 
-STREAM_ID_PATTERN = r"^\d+-\d+$"
+_STREAM_ID = re.compile(r"^(\d{1,20})-(\d{1,20})$")
+# Each half of a Redis stream entry id is an unsigned 64-bit integer.
+_MAX_ID_PART = 2**64 - 1
 log = logging.getLogger("pagedq.api")
 
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
     head = f"id: {event_id}\n" if event_id else ""
     return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def valid_stream_id(text: str) -> bool:
+    """Whether Redis takes `text` as a stream entry id ("1700000000000-0")."""
+    match = _STREAM_ID.match(text)
+    return match is not None and all(int(part) <= _MAX_ID_PART for part in match.groups())
 
 
 def _entry_id(text: str) -> tuple[int, int]:
@@ -75,6 +97,16 @@ class StreamHub:
             if not followers:
                 self._followers.pop(key, None)
 
+    async def _drop_refused(self, cursors: dict[str, str], exc: ResponseError) -> None:
+        """Read each stream alone (without blocking) and fail the followers of those Redis refuses."""
+        log.warning("stream hub: Redis refused a read (%s); finding the stream", exc)
+        for key, cursor in cursors.items():
+            try:
+                await self.connection.xread({key: cursor}, count=1)
+            except ResponseError as own:
+                for follower in self._followers.pop(key, set()):
+                    follower.batches.put_nowait(own)
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -91,7 +123,12 @@ class StreamHub:
                 cursors = {
                     key: min((f.cursor for f in followers), key=_entry_id) for key, followers in self._followers.items()
                 }
-                reply = await self.connection.xread({**cursors, self._wake_key: "$"}, count=512, block=self.block_ms)
+                try:
+                    reply = await self.connection.xread({**cursors, self._wake_key: "$"}, count=512, block=self.block_ms)
+                except ResponseError as exc:
+                    # Redis refused one stream's read: only that stream's followers hear of it.
+                    await self._drop_refused(cursors, exc)
+                    continue
                 for raw_key, raw_entries in reply or []:
                     entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
                     for follower in self._followers.get(raw_key.decode(), ()):
@@ -113,6 +150,11 @@ class StreamReader:
         self.connection = connection
         self.poll_s = poll_s
         self.hub = StreamHub(connection)
+
+    async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
+        """The job's state, None when there is no such job or it is another tenant's."""
+        status, meta = await self.connection.hmget(Job.key_for(seq_id), "status", "meta")
+        return job_state(status) if status is not None and caller.owns(owner_of(meta)) else None
 
     async def state(self, seq_id: str) -> JobState | None:
         return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))
@@ -140,6 +182,8 @@ class StreamReader:
                 yield "".join(_sse(kind, data, event_id) for kind, data, event_id in events)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("stream %s: Redis unreachable (%s); closing the stream", seq_id, exc)
+        except ResponseError as exc:
+            log.warning("stream %s: Redis refused its read (%s); closing the stream", seq_id, exc)
 
     async def relay(self, seq_id: str, cursor: str = "0-0") -> AsyncIterator[list[Event]]:
         """The job's events after `cursor`, a batch at a time, until (and with) `end`."""

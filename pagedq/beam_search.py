@@ -15,12 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from pagedq.request_rules import ValidInput
 
 BeamT = TypeVar("BeamT")
 
 
-class BeamSearchParams(BaseModel):
+class BeamSearchParams(ValidInput):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     beam_width: int = Field(ge=1, le=64)

@@ -22,9 +22,10 @@ from pagedq.beam_search import BeamSearch, BeamSearchParams
 from pagedq.config import EngineArgs
 from pagedq.model_info import check_prompt_fits, load_hf_config, load_tokenizer, resolve_max_model_len
 from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from pagedq.request_rules import check_width, unencodable_text
 from pagedq.sampling_params import SamplingParams
 from pagedq.sequence import Request, Sequence, SequenceStatus
-from scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedq.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner
 from pagedq.sampler import Sampler
@@ -42,6 +43,7 @@ class EngineCounters:
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0
     steps: int = 0
 
 
@@ -72,6 +74,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Final outputs of aborted requests, returned by the next step().
         self._aborted_outputs: list[RequestOutput] = []
+        # Final outputs of requests that failed during this step, returned by it.
+        self._failed_outputs: list[RequestOutput] = []
         self.counters = EngineCounters()
 
     @classmethod
@@ -123,7 +127,7 @@ class LLMEngine:
         if beam is not None:
             # What every beam shares; the sampler never sees beams.
             params = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=beam.ignore_eos)
-        self._check_request(token_ids, params)
+        self._check_request(token_ids, params, beam)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -157,11 +161,15 @@ class LLMEngine:
             prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt: expected a string or a dict, got {type(prompt).__name__}")
+        if (why := unencodable_text(prompt)) is not None:
+            raise ValueError(f"prompt: {why}")
         if self.tokenizer is None:
             raise ValueError("prompt: text prompts need a tokenizer (the engine was built with skip_tokenizer_init)")
         return prompt, self.tokenizer.encode(prompt)
 
-    def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_request(
+        self, token_ids: list[int], params: SamplingParams, beam: BeamSearchParams | None = None
+    ) -> None:
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         check_prompt_fits(len(token_ids), None, self.max_model_len)
@@ -171,6 +179,12 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if beam is not None:
+            check_width("beam_width", beam.beam_width, self.args.max_num_seqs)
+        else:
+            check_width("n", params.n, self.args.max_num_seqs)
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs: {params.logprobs} alternatives, more than the vocabulary's {self.vocab_size} tokens")
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("stop: stop strings need a tokenizer (the engine was built with skip_tokenizer_init)")
 
@@ -219,21 +233,30 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that produced tokens or
-        finished (FINAL_ONLY requests: only when they finish)."""
+        finished (FINAL_ONLY requests: only when they finish).
+
+        Whatever one request causes to throw (its forward, sampling, detokenization, stop
+        check) fails that request alone, its output finished with `error` set; the step
+        carries on for the others (see `_fail_request`)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if not self.scheduler.has_unfinished():
             return outputs
         sched = self.scheduler.schedule()
         if sched.is_empty and not self.scheduler.running:
-            raise RuntimeError("the scheduler could not run anything although requests wait (a pagedq bug)")
+            # add_request refuses what can never be scheduled, so this is a pagedq bug; the
+            # request that blocks the queue fails rather than every request of the engine.
+            stuck = self.scheduler.next_in_line()
+            message = "the scheduler could not run this request (a pagedq bug)"
+            logger.error("request %s: %s", stuck.request.request_id, message)
+            self._fail_request(stuck.request, message)
+            return outputs + self._take_failed()
         self.counters.steps += 1
         now = time.time()
         for item in sched.scheduled:
             if item.seq.request.metrics.first_scheduled_time is None:
                 item.seq.request.metrics.first_scheduled_time = now
 
-        tables = [self.block_manager.block_table(item.seq.seq_id) for item in sched.scheduled]
-        logits = self.runner.execute(sched, tables)
+        logits = self._execute(sched)
         sampling = [item for item in sched.scheduled if item.completes_prompt]
         for item in sched.scheduled:
             self._advance(item)
@@ -254,11 +277,20 @@ class LLMEngine:
             for request in self._report_beams(beams, logits):
                 touched[request.request_id] = request
         if rows:
-            sampled = self.sampler(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
-            for i, seq in enumerate(rows):
-                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], now)
-                touched[seq.request.request_id] = seq.request
+            sampled = self._sample(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
+            for seq, (token, logprob, top_logprobs) in sampled:
+                request = seq.request
+                if request.error is not None:
+                    continue  # another of its sequences failed it in this loop
+                try:
+                    self._append(seq, token, logprob, top_logprobs, now)
+                except Exception as exc:
+                    self._fail_request(request, f"processing its new token failed: {exc!r}", exc)
+                    continue
+                touched[request.request_id] = request
         for request in touched.values():
+            if request.error is not None:
+                continue
             finished = request.is_finished
             if finished:
                 request.metrics.finished_time = time.time()
@@ -266,7 +298,102 @@ class LLMEngine:
                 self.counters.requests_finished += 1
             if finished or request.output_kind is RequestOutputKind.CUMULATIVE:
                 outputs.append(request.output())
-        return outputs
+        return outputs + self._take_failed()
+
+    def _execute(self, sched: SchedulerOutput) -> torch.Tensor:
+        """The step's forward. Should it throw, each request's sequences run again alone:
+        a request whose own forward throws fails, and the step goes on without it. When
+        every request fails alone too, the fault is not any one request's: it is raised."""
+        tables = [self.block_manager.block_table(item.seq.seq_id) for item in sched.scheduled]
+        try:
+            return self.runner.execute(sched, tables)
+        except Exception as exc:
+            groups: dict[str, list[int]] = {}
+            for i, item in enumerate(sched.scheduled):
+                groups.setdefault(item.seq.request.request_id, []).append(i)
+            if len(groups) == 1:
+                raise
+            logger.warning("a step's forward failed (%r); running each of its %d requests alone", exc, len(groups))
+            # The block moves ran before the forward did; each retry is only a forward.
+            rows: dict[int, torch.Tensor] = {}  # scheduled index -> its logits row
+            failed: list[tuple[Request, Exception]] = []
+            for indices in groups.values():
+                alone = SchedulerOutput(scheduled=[sched.scheduled[i] for i in indices])
+                try:
+                    block = self.runner.execute(alone, [tables[i] for i in indices])
+                except Exception as own:
+                    failed.append((sched.scheduled[indices[0]].seq.request, own))
+                    continue
+                rows.update(zip([i for i in indices if sched.scheduled[i].completes_prompt], block))
+            if len(failed) == len(groups):
+                raise
+            for request, own in failed:
+                self._fail_request(request, f"its forward pass failed: {own!r}", own)
+            sched.scheduled = [item for item in sched.scheduled if item.seq.request.error is None]
+            if not rows:
+                return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return torch.stack([rows[i] for i in sorted(rows)])
+
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> list[tuple[Sequence, tuple[int, float, Any]]]:
+        """(sequence, (token, logprob, top logprobs)) for each row whose request did not fail.
+        Should the batched sampler throw, each request's rows are sampled alone (seeded
+        rows from where their generators stood), and a request that throws alone fails.
+        A token outside the vocabulary fails its request too: it would fail the next
+        step's forward for everyone."""
+        seeded = [(seq.generator, seq.generator.get_state()) for seq in rows if seq.generator is not None]
+        try:
+            groups = [(list(range(len(rows))), self.sampler(logits, rows))]
+        except Exception as exc:
+            logger.warning("sampling %d rows failed (%r); sampling each request alone", len(rows), exc)
+            for generator, state in seeded:
+                generator.set_state(state)
+            by_request: dict[str, list[int]] = {}
+            for i, seq in enumerate(rows):
+                by_request.setdefault(seq.request.request_id, []).append(i)
+            groups = []
+            for indices in by_request.values():
+                try:
+                    groups.append((indices, self.sampler(logits[indices], [rows[i] for i in indices])))
+                except Exception as own:
+                    self._fail_request(rows[indices[0]].request, f"sampling failed: {own!r}", own)
+        results = []
+        for indices, out in groups:
+            for j, i in enumerate(indices):
+                seq, token = rows[i], out.token_ids[j]
+                if not 0 <= token < self.vocab_size:
+                    self._fail_request(seq.request, f"sampling produced token id {token}, outside the vocabulary")
+                elif seq.request.error is None:
+                    results.append((seq, (token, out.logprobs[j], out.top_logprobs[j])))
+        return [(seq, result) for seq, result in results if seq.request.error is None]
+
+    def _fail_request(self, request: Request, error: str, exc: BaseException | None = None) -> None:
+        """Something this request caused threw: it finishes now with `error` (each
+        unfinished sequence's finish_reason "error"), its blocks are freed, and the next
+        output of step() is its last."""
+        if request.error is not None or request.request_id not in self.requests:
+            return
+        logger.warning("request %s failed alone: %s", request.request_id, error, exc_info=exc)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+        request.error = error
+        request.metrics.finished_time = time.time()
+        del self.requests[request.request_id]
+        self.counters.requests_failed += 1
+        try:
+            output = request.output()
+        except Exception:
+            # What threw may be a detokenizer, and reading its text throws again: the text goes with it.
+            for seq in request.seqs:
+                seq.detokenizer = None
+            output = request.output()
+        self._failed_outputs.append(output)
+
+    def _take_failed(self) -> list[RequestOutput]:
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed
 
     def _advance(self, item: ScheduledSequence) -> None:
         seq = item.seq
@@ -298,9 +425,14 @@ class LLMEngine:
         for (seq, _), values, ids in zip(beams, top.values.tolist(), top.indices.tolist()):
             search = seq.request.beam_search
             k = search.num_candidates
-            if search.report(seq, seq.output_token_ids, seq.cumulative_logprob, list(zip(ids[:k], values[:k]))):
-                if self._next_beams(seq.request):
-                    finished.append(seq.request)
+            if seq.request.error is not None:
+                continue
+            try:
+                if search.report(seq, seq.output_token_ids, seq.cumulative_logprob, list(zip(ids[:k], values[:k]))):
+                    if self._next_beams(seq.request):
+                        finished.append(seq.request)
+            except Exception as exc:
+                self._fail_request(seq.request, f"advancing its beams failed: {exc!r}", exc)
         return finished
 
     def _next_beams(self, request: Request) -> bool:
@@ -403,6 +535,7 @@ class LLMEngine:
             "generation_tokens": c.generation_tokens,
             "requests_finished": c.requests_finished,
             "requests_aborted": c.requests_aborted,
+            "requests_failed": c.requests_failed,
             "steps": c.steps,
         }
 

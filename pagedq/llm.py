@@ -95,15 +95,41 @@ class LLM:
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until this call's requests are done. A request that fails alone fails only
+        itself (RequestFailed once the others are done); a step that raises is not any one
+        request's fault: every request is aborted, so the engine is empty for the next call."""
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
             generated = 0
             while engine.has_unfinished_requests():
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except BaseException:
+                    engine.abort_request(request_ids)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    raise
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         generated += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / max(bar.format_dict['elapsed'], 1e-9):.0f} out tok/s", refresh=False)
-        return [finished[request_id] for request_id in request_ids]
+        ordered = [finished[request_id] for request_id in request_ids]
+        failed = [(index, output.error) for index, output in enumerate(ordered) if output.error is not None]
+        if failed:
+            raise RequestFailed(failed, ordered)
+        return ordered
+
+
+class RequestFailed(RuntimeError):
+    """Some prompts of a generate() call failed, each alone (the others ran to the end):
+    `failures` holds (prompt index, error), `outputs` every prompt's output in order."""
+
+    def __init__(self, failures: list[tuple[int, str]], outputs: list[RequestOutput]):
+        index, error = failures[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        super().__init__(f"prompt {index} failed: {error}{more}")
+        self.failures = failures
+        self.outputs = outputs

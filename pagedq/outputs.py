@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+# "error": the request failed alone, from something it caused (RequestOutput.error says what).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class RequestOutputKind(enum.Enum):
@@ -60,6 +61,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Why the request failed, when it did: the engine's other requests carried on.
+    error: str | None = None
 
 
 @dataclass

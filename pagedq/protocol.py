@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.beam_search import BeamSearchParams
 from pagedq.outputs import CompletionOutput, FinishReason, RequestOutput
-from pagedq.redis_schema import JobState
+from pagedq.redis_schema import InvalidJob, JobState
+from pagedq.request_rules import ValidInput, describe_invalid
 from pagedq.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
-class Message(BaseModel):
+class Message(ValidInput):
     """One turn of POST /generate's `messages`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -88,7 +89,10 @@ class GenerateRequest(SamplingParams):
 _SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {"max_tokens", "ignore_eos", "skip_special_tokens"}
 
 
-class JobPayload(BaseModel):
+class JobPayload(ValidInput):
+    """Read back from Redis by every worker, under the same rules as a request body: Redis
+    may hold jobs that no api of this version checked."""
+
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | None
@@ -106,15 +110,27 @@ class JobPayload(BaseModel):
     def engine_params(self) -> SamplingParams | BeamSearchParams:
         return self.beam if self.beam is not None else self.sampling
 
+    @classmethod
+    def read(cls, kwargs: dict) -> JobPayload:
+        """A job's payload as read back from Redis; InvalidJob, naming the field, when it breaks the input rules."""
+        try:
+            return cls.model_validate(kwargs)
+        except ValueError as exc:
+            raise InvalidJob(describe_invalid(exc)) from None
+
     def add_to(self, engine: LLMEngine, request_id: str) -> None:
-        """Hand this job to the engine as request `request_id` (the one way a payload becomes an engine request)."""
-        engine.add_request(
-            request_id,
-            {"prompt_token_ids": self.prompt_token_ids},
-            self.engine_params,
-            arrival_time=self.enqueued_at,
-            priority=self.priority,
-        )
+        """Hand this job to the engine as request `request_id` (the one way a payload becomes an
+        engine request); InvalidJob, naming the field, when the engine refuses it."""
+        try:
+            engine.add_request(
+                request_id,
+                {"prompt_token_ids": self.prompt_token_ids},
+                self.engine_params,
+                arrival_time=self.enqueued_at,
+                priority=self.priority,
+            )
+        except ValueError as exc:
+            raise InvalidJob(str(exc)) from None
 
 
 class Usage(BaseModel):

@@ -14,6 +14,7 @@ and the parts of RQ's records that we define:
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -27,6 +28,13 @@ JOB_FUNCTION = "worker.jobs.generate"
 # job.meta fields: the running job's partial result, and the request body's hash (Idempotency-Key replays).
 PROGRESS_META_KEY = "progress"
 BODY_HASH_META_KEY = "request_sha256"
+# The tenant that made the job (api.auth.Caller.tenant: a tenant's name or a key's hash, never a key).
+OWNER_META_KEY = "owner"
+
+
+def owner_of(raw_meta: bytes | None) -> str:
+    """The owner in a job hash's raw `meta` field (JSON, the jobs' serializer), without fetching the job."""
+    return json.loads(raw_meta).get(OWNER_META_KEY, "") if raw_meta else ""
 
 JobState = Literal["queued", "running", "finished", "failed", "canceled"]
 TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "canceled"})
@@ -48,6 +56,23 @@ def job_state(rq_status: str | bytes | None) -> JobState | None:
     if rq_status is None:
         return None
     return _STATES.get(rq_status.decode() if isinstance(rq_status, bytes) else rq_status, "queued")
+
+
+# How a job failed, as RQ records it (the last line of the job's exc_string starts with
+# failure_line(the exception's class)): the worker raises these, the api reads them back.
+class InvalidJob(ValueError):
+    """A job whose input no engine can run (the same on every attempt): the worker fails it
+    at once and never retries it; the api answers it as the client's error (4xx)."""
+
+
+class RequestFailed(RuntimeError):
+    """Something a job's own request caused threw inside an engine step; the engine's other
+    requests carried on. Deterministic, so never retried (retries are for lost workers)."""
+
+
+def failure_line(exc_type: type[BaseException]) -> str:
+    """How the last line of the exc_string of a job failed by `exc_type` starts."""
+    return f"{exc_type.__module__}.{exc_type.__qualname__}: "
 
 
 class Progress(BaseModel):
@@ -197,6 +222,11 @@ def file_content_key(file_id: str) -> str:
 # Every batch id, scored by creation time (newest first in listings); the ones still running.
 BATCHES_KEY = "pagedq:batches"
 ACTIVE_BATCHES_KEY = "pagedq:batches:active"
+
+
+def tenant_batches_key(owner: str) -> str:
+    """The batch ids of one owner (see OWNER_META_KEY), scored like BATCHES_KEY."""
+    return f"pagedq:batches:of:{owner}"
 
 
 def batch_key(batch_id: str, part: str = "") -> str:

@@ -204,6 +204,9 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # Rows with top_p == 1 keep everything, even when rounding pushes the sum past 1.
     remove = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # The most likely token always stays (as vLLM's): a top_p below float32's smallest
+    # value rounds to 0 and would otherwise remove every token.
+    remove[:, 0] = False
     logits.masked_fill_(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
 
 

@@ -2,18 +2,21 @@
 
 Field names and defaults follow vLLM so its users feel at home. It is a pydantic model
 so the same class validates offline calls (raising ValueError that names the field),
-HTTP request bodies (422) and job payloads read back from Redis.
+HTTP request bodies (422) and job payloads read back from Redis, by the same rules
+(pagedq.request_rules: finite numbers, valid text, int64 seeds).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictStr, field_validator, model_validator
+
+from pagedq.request_rules import SEED_MAX, SEED_MIN, ValidInput
 
 # Sampling with these settings is deterministic argmax.
 _GREEDY_EPS = 1e-5
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(ValidInput):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     n: int = Field(1, ge=1, description="Number of output sequences for the prompt.")
@@ -24,7 +27,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

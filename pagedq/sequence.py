@@ -48,6 +48,8 @@ class Request:
     # then it holds scheduler slots for all of them.
     branched: bool = False
     aborted: bool = False
+    # Set when something this request caused failed it (see LLMEngine._fail_request).
+    error: str | None = None
     # Set when the outputs are not the sequences' own (beam search's best hypotheses).
     final_outputs: list[CompletionOutput] | None = None
 
@@ -58,7 +60,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        if self.aborted or self.final_outputs is not None:
+        if self.aborted or self.error is not None or self.final_outputs is not None:
             return True
         return self.beam_search is None and (self.branched or self.width == 1) and all(s.is_finished for s in self.seqs)
 
@@ -71,6 +73,7 @@ class Request:
             finished=self.is_finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )
 
 

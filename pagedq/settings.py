@@ -6,6 +6,7 @@ Values come from `PAGEDQ_*` environment variables (e.g. `PAGEDQ_REDIS_URL`,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -57,7 +58,18 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="The key the CLI sends.")
 
     # Limits.
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Comma-separated; each key is a tenant of its own: its jobs, files and "
+        "batches are invisible to every other key (404).",
+    )
+    tenant_keys: dict[str, list[SecretStr]] = Field(
+        default_factory=dict, description='JSON {"tenant": ["key", ...]}: the keys of a named tenant, which share '
+        "its jobs, files and batches.",
+    )
+    admin_api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Comma-separated; these keys see and act on every tenant's jobs, files and batches.",
+    )
+    probes_require_key: bool = Field(False, description="GET /metrics and /ready need a key too (/health never does).")
     max_queue_depth: int = Field(10_000, ge=1, description="Queued jobs beyond this get 429.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429.")
     max_prompt_tokens: int | None = Field(None, ge=1)
@@ -105,7 +117,7 @@ class Settings(BaseSettings):
         "(None: off; 0: any free port, shown by GET /ready).",
     )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -131,6 +143,10 @@ class Settings(BaseSettings):
                 value = value.get_secret_value()
             elif isinstance(value, list):
                 value = ",".join(v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in value)
+            elif isinstance(value, dict):
+                value = json.dumps({
+                    key: [v.get_secret_value() if isinstance(v, SecretStr) else v for v in items] for key, items in value.items()
+                })
             env[f"PAGEDQ_{name.upper()}"] = str(value)
         return env
 

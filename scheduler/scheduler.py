@@ -132,6 +132,10 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    def next_in_line(self) -> Sequence:
+        """The sequence that runs next once there is room: the first swapped one, else the waiting head."""
+        return min(self.swapped, key=lambda s: s.sort_key) if self.swapped else self._waiting[0][1]
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running or self.swapped)
 

@@ -32,6 +32,7 @@ def service_settings(model: Path, redis_url: str, tmp: Path, **overrides: Any) -
     environment cannot change a test), heartbeats short so recovery tests stay short."""
     values = dict(
         model=str(model), redis_url=redis_url, cache_dir=tmp, port=free_port(), device="cpu", api_keys=[],
+        tenant_keys={}, admin_api_keys=[],
         heartbeat_ttl_s=6, reaper_interval_s=0.5, progress_interval_s=0.05, torch_threads=1,
     )
     return Settings(**{**values, **overrides})
@@ -92,15 +93,17 @@ class WorkerProcess:
         self.process.wait(30)
 
 
-def ready_workers(api_url: str) -> list[dict]:
-    response = httpx.get(f"{api_url}/ready", timeout=10)
+def ready_workers(api_url: str, headers: dict[str, str] | None = None) -> list[dict]:
+    response = httpx.get(f"{api_url}/ready", headers=headers, timeout=10)
     return response.json()["workers"] if response.status_code == 200 else []
 
 
-def wait_for_worker(api_url: str, name_not_in: set[str] = frozenset(), timeout_s: float = 90) -> dict:
+def wait_for_worker(
+    api_url: str, name_not_in: set[str] = frozenset(), timeout_s: float = 90, headers: dict[str, str] | None = None
+) -> dict:
     """A live worker (per GET /ready) whose name is not in `name_not_in`."""
     return wait_until(
-        lambda: next((w for w in ready_workers(api_url) if w["name"] not in name_not_in), None),
+        lambda: next((w for w in ready_workers(api_url, headers) if w["name"] not in name_not_in), None),
         timeout_s, "a worker to register",
     )
 

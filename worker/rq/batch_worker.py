@@ -59,7 +59,15 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
-from pagedq.redis_schema import JOB_FUNCTION, batch_queue_name, cancels_key, publish_end
+from pagedq.redis_schema import (
+    JOB_FUNCTION,
+    InvalidJob,
+    JobState,
+    RequestFailed,
+    batch_queue_name,
+    cancels_key,
+    publish_end,
+)
 from pagedq.settings import Settings
 from worker.rq.publisher import ProgressPublisher
 
@@ -395,11 +403,12 @@ class BatchWorker(BaseWorker):
         queue = self._queues_by_name.get(job.origin, self.queue)
         try:
             if job.func_name != JOB_FUNCTION:
-                raise ValueError(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
-            payload = JobPayload.model_validate(job.kwargs)
+                raise InvalidJob(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
+            payload = JobPayload.read(job.kwargs)
             payload.add_to(self.engine, execution.id)
         except Exception:
-            job.retries_left = 0  # bad input fails the same way on every attempt
+            # Bad input (InvalidJob: the client's error) fails the same way on every attempt: never retried.
+            job.retries_left = 0
             self._finalize_failure(job, queue, execution, sys.exc_info())
             return
         self.inflight[execution.id] = InFlight(job, queue, execution, payload, started_at=time.time())
@@ -459,19 +468,34 @@ class BatchWorker(BaseWorker):
             return
         ends = [self._finish(entry) for entry in finished]
         with self.connection.pipeline(transaction=False) as pipeline:
-            for seq_id, finish_reason in ends:
-                publish_end(pipeline, seq_id, "finished", self.settings.stream_ttl_s, finish_reason=finish_reason)
+            for seq_id, status, finish_reason in ends:
+                publish_end(pipeline, seq_id, status, self.settings.stream_ttl_s, finish_reason=finish_reason)
             pipeline.execute()
 
-    def _finish(self, entry: InFlight) -> tuple[str, str]:
+    def _finish(self, entry: InFlight) -> tuple[str, JobState, str]:
+        """Record one finished job (kept in flight should Redis fail, to be retried next tick)."""
         job = entry.job
         payload = entry.payload
-        result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
-        self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
-        self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
+        error = entry.final.error
+        result = None
+        if error is None:
+            try:
+                result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
+            except Exception as exc:  # this job's output alone: the others are recorded
+                self.log.exception("Worker %s: the result of %s could not be built", self.name, job.id)
+                error = f"its result could not be recorded: {exc!r}"
+        if error is not None:
+            # The engine (or its output) failed this request alone, for something it caused: it would again.
+            job.retries_left = 0
+            self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(error)))
+        else:
+            self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
+            self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
-        return job.id, result.finish_reason or ""
+        if result is None:
+            return job.id, "failed", ""
+        return job.id, "finished", result.finish_reason or ""
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
@@ -524,6 +548,11 @@ class BatchWorker(BaseWorker):
         for entry in reversed(entries):
             entry.queue.enqueue_job(entry.job, at_front=True)
         self.metrics.jobs_requeued += len(entries)
+
+
+def _raised(exc: BaseException):
+    """exc_info for an exception made here, as RQ's failure handling takes it."""
+    return type(exc), exc, None
 
 
 def run_worker(settings: Settings) -> None:

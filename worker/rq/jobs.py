@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rq import get_current_job
 
 from pagedq.protocol import GenerationResult, JobPayload
+from pagedq.redis_schema import InvalidJob, RequestFailed
 from pagedq.settings import Settings
 from worker.rq.engine_factory import build_engine
 from worker.rq.publisher import ProgressPublisher
@@ -36,7 +37,11 @@ def generate(**payload: Any) -> dict:
     job = get_current_job()
     if job is None:
         raise RuntimeError("worker.jobs.generate runs inside an RQ worker")
-    request = JobPayload.model_validate(payload)
+    try:
+        request = JobPayload.read(payload)
+    except InvalidJob:
+        job.retries_left = 0  # the same on every attempt: retries are for lost workers
+        raise
     settings = Settings()
     engine = _process_engine()
     publisher = ProgressPublisher(job.connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
@@ -45,7 +50,11 @@ def generate(**payload: Any) -> dict:
     with job.connection.pipeline() as pipeline:
         publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
-    request.add_to(engine, job.id)
+    try:
+        request.add_to(engine, job.id)
+    except InvalidJob:
+        job.retries_left = 0
+        raise
     final = None
     try:
         while final is None:
@@ -63,6 +72,9 @@ def generate(**payload: Any) -> dict:
     finally:
         publisher.forget(job.id)
 
+    if final.error is not None:
+        job.retries_left = 0  # its own fault, alone: it would fail again
+        raise RequestFailed(final.error)
     # No "end" event here: RQ records the result only after this returns, and the
     # stream relay ends by itself once it sees the job's terminal status.
     return GenerationResult.from_output(final, job.id, request, started_at).model_dump(mode="json")

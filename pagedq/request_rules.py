@@ -1,0 +1,68 @@
+"""What any request must satisfy before it may enter an engine: one rule, applied by the
+api (a 4xx naming the field), by the worker to every job it reads back from Redis, and
+by `LLMEngine.add_request` (ValueError naming the field). A request that passes can only
+ever fail itself; these rules keep the known poison (non-finite numbers, seeds that
+overflow, more sequences than an engine can hold, text the tokenizer cannot take) out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+# Seeds are int64, as vLLM's (torch.iinfo(torch.long)). The n outputs of a request use
+# seed + index, and a torch generator takes up to 2**64 - 1, so no n ever overflows it.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+
+
+def unencodable_text(value: Any) -> str | None:
+    """Why `value` (a string, or lists / dicts of them) is not valid Unicode text, or None.
+    A JSON body may carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer takes it and
+    no response holding it can be encoded."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"contains a lone UTF-16 surrogate at character {exc.start}; text must be valid Unicode"
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((why for item in value if (why := unencodable_text(item)) is not None), None)
+    if isinstance(value, dict):
+        return next((why for item in value.items() if (why := unencodable_text(list(item))) is not None), None)
+    return None
+
+
+class ValidInput(BaseModel):
+    """Base of every request body: numbers must be finite (JSON's `Infinity` and `NaN`,
+    which Python's parser takes, are refused) and text valid Unicode, each error naming its field."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        why = unencodable_text(value)
+        if why is not None:
+            raise ValueError(why)
+        return value
+
+
+def check_width(field: str, width: int, max_num_seqs: int) -> None:
+    """A request runs its n samples (or beams) side by side in one engine; more than the
+    engine's `max_num_seqs` could never be scheduled."""
+    if width > max_num_seqs:
+        raise ValueError(
+            f"{field}: {width} sequences at once, more than an engine runs ({max_num_seqs}, PAGEDQ_MAX_NUM_SEQS)"
+        )
+
+
+def describe_invalid(exc: ValueError) -> str:
+    """One line naming each invalid field (pydantic's own message spans lines and links)."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+    return str(exc)

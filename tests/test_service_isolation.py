@@ -1,0 +1,397 @@
+"""No request can hurt another (issue 16), against the running service: a real redis-server,
+the api under real uvicorn, two `pagedq worker` processes. A hostile or careless client's
+input is its own 4xx; poison that reaches the workers anyway (written to the queue by
+something other than this api) fails its own job once, never retried, while six ordinary
+greedy jobs finish with the offline engine's tokens on their first attempt; one client's
+bad stream cursor reaches no other client.
+
+The workers run at most 8 sequences (max_num_seqs); the api believes 32, as a fleet with
+mixed configurations would, so a request of n=9 passes the api and only a worker refuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import ResponseError
+from rq import Queue, Retry
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from api.streaming import StreamHub
+from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, RequestFailed, failure_line, stream_key
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
+
+pytestmark = pytest.mark.slow
+QUEUE = "isolation"
+KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN = "key-a-5d1f", "key-b-9c2e", "team-key-1-77aa", "team-key-2-88bb", "admin-key-3e4f"
+A, B, T1, T2, ADMIN = ({"Authorization": f"Bearer {key}"} for key in (KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN))
+WORKER_MAX_NUM_SEQS = 8
+BYSTANDERS = [
+    {"prompt_token_ids": [5 + i, 17, 29 + 3 * i, 40 + i], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    for i in range(6)
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def service(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("isolation")
+    redis_server = RedisServer(tmp / "redis").start()
+    settings = service_settings(
+        model, redis_server.url, tmp, queue_name=QUEUE, max_num_seqs=32, job_retries=2, api_keys=[KEY_A, KEY_B],
+        tenant_keys={"team": [KEY_T1, KEY_T2]}, admin_api_keys=[KEY_ADMIN], probes_require_key=True,
+    )
+    workers = [
+        WorkerProcess(settings.with_overrides(max_num_seqs=WORKER_MAX_NUM_SEQS), tmp / f"worker-{i}.log") for i in range(2)
+    ]
+    api = ApiServer(settings).start()
+    try:
+        first = wait_for_worker(api.url, headers=ADMIN)
+        wait_for_worker(api.url, name_not_in={first["name"]}, headers=ADMIN)
+        yield api, Redis.from_url(redis_server.url), redis_server
+    finally:
+        api.stop()
+        for worker in workers:
+            worker.stop()
+        redis_server.stop()
+
+
+@pytest.fixture
+def http(service):
+    """An HTTP client of the api with tenant A's key."""
+    api, _, _ = service
+    with httpx.Client(base_url=api.url, headers=A, timeout=70) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    return offline_greedy(model, BYSTANDERS)
+
+
+def fetch(redis: Redis, seq_id: str) -> Job:
+    return Job.fetch(seq_id, connection=redis, serializer=JSONSerializer)
+
+
+def submit_bystanders(http: httpx.Client) -> list[str]:
+    ids = []
+    for body in BYSTANDERS:
+        response = http.post("/generate", json=body, timeout=10)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["seq_id"])
+    return ids
+
+
+def assert_bystanders_finished_first_time(http: httpx.Client, redis: Redis, ids: list[str], expected) -> None:
+    results = [http.get(f"/result/{i}", params={"wait": 60}, timeout=70).json() for i in ids]
+    assert [r["status"] for r in results] == ["finished"] * len(ids)
+    assert [r["token_ids"] for r in results] == expected
+    # One result each: no attempt failed and was retried.
+    assert [len(fetch(redis, i).results()) for i in ids] == [1] * len(ids)
+
+
+# ---- item 1: poison at the api, and poison in the queue ----------------------------------------
+
+API_POISON = [
+    ("/generate", {"prompt": "hi", "n": 2, "seed": 18446744073709551615, "max_tokens": 4}, 422, "seed"),
+    ("/generate", '{"prompt": "hi", "max_tokens": 6, "min_tokens": 3, "temperature": Infinity}', 422, "temperature"),
+    ("/generate", '{"prompt": "hi", "top_p": NaN}', 422, "top_p"),
+    ("/generate", {"prompt": "hi", "n": 300, "max_tokens": 4}, 422, "n: 300 sequences"),
+    ("/generate", {"prompt": "hi", "use_beam_search": True, "beam_width": 40, "max_tokens": 4}, 422, "beam_width"),
+    ("/generate", '{"prompt": "a\\ud800b"}', 422, "prompt"),
+    ("/generate", '{"prompt": "hi", "stop": ["\\udfff"]}', 422, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "n": 300}, 400, "n"),
+    ("/v1/completions", '{"model": "M", "prompt": "a\\ud800b"}', 400, "prompt"),
+    ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     "messages.0.content"),
+]
+
+
+def post(http: httpx.Client, path: str, body, model_name: str) -> httpx.Response:
+    if isinstance(body, str):
+        content = body.replace('"M"', json.dumps(model_name))
+        return http.post(path, content=content, headers={"Content-Type": "application/json"})
+    if path.startswith("/v1/"):
+        body = {"model": model_name, **body}
+    return http.post(path, json=body)
+
+
+def queue_poison(redis: Redis, seq_id: str, sampling: dict, beam: dict | None = None, prompt: str | None = "hi") -> None:
+    """A job the api would refuse, written straight to the queue (an older api, a script): the worker's rules apply."""
+    kwargs = {"prompt": prompt, "prompt_token_ids": [7, 8, 9], "sampling": sampling, "beam": beam, "priority": 0,
+              "enqueued_at": time.time(), "stream": True}
+    queue = Queue(QUEUE, connection=redis, serializer=JSONSerializer)
+    queue.enqueue_job(queue.create_job(JOB_FUNCTION, kwargs=kwargs, job_id=seq_id, retry=Retry(max=2)))
+
+
+QUEUE_POISON = {
+    "seed-overflow": ({"n": 2, "seed": 2**64 - 1, "max_tokens": 4}, None, "hi", "seed"),
+    "infinite-temperature": ({"max_tokens": 6, "min_tokens": 3, "temperature": float("inf")}, None, "hi", "temperature"),
+    "n-past-the-engine": ({"n": WORKER_MAX_NUM_SEQS + 1, "max_tokens": 4}, None, "hi", "n: 9 sequences"),
+    "beams-past-the-engine": (
+        {"max_tokens": 4}, {"beam_width": WORKER_MAX_NUM_SEQS + 1, "max_tokens": 4}, "hi", "beam_width"),
+    "surrogate-prompt": ({"max_tokens": 4}, None, "a\ud800b", "prompt"),
+}
+
+
+def test_poison_is_refused_and_six_bystanders_finish_on_their_first_attempt(service, http, model, expected):
+    _, redis, _ = service
+    ids = submit_bystanders(http)
+    for path, body, status, fragment in API_POISON:
+        response = post(http, path, body, model.name)
+        assert response.status_code == status, (body, response.text)
+        message = response.json()["error"]["message"] if path.startswith("/v1/") else response.json()["message"]
+        assert fragment in message, (body, message)
+        if path.startswith("/v1/"):
+            assert response.json()["error"]["param"].startswith(fragment.split(":")[0])
+    # A denormal top_p (0 in float32) used to remove every token: now it keeps the most likely one.
+    denormal = http.post("/generate", json={"prompt_token_ids": [5, 17], "top_p": 5e-324, "max_tokens": 4,
+                                                        "ignore_eos": True}, timeout=10).json()["seq_id"]
+    for seq_id, (sampling, beam, prompt, _) in QUEUE_POISON.items():
+        queue_poison(redis, seq_id, sampling, beam, prompt)
+
+    assert_bystanders_finished_first_time(http, redis, ids, expected)
+    result = http.get(f"/result/{denormal}", params={"wait": 30}, timeout=40).json()
+    assert result["token_ids"] == offline_greedy(model, [{"prompt_token_ids": [5, 17], "max_tokens": 4, "ignore_eos": True,
+                                                          "temperature": 0}])[0]
+    for seq_id, (_, _, _, field) in QUEUE_POISON.items():
+        # Written without an owner: only an admin key sees them.
+        assert http.get(f"/result/{seq_id}", timeout=10).status_code == 404
+        result = http.get(f"/result/{seq_id}", headers=ADMIN, params={"wait": 30}, timeout=40).json()
+        assert result["status"] == "failed", result
+        assert result["error"].startswith(failure_line(InvalidJob)) and field in result["error"], result
+        job = fetch(redis, seq_id)
+        assert len(job.results()) == 1  # failed once: never retried
+
+
+def test_v1_answers_400_when_a_worker_refuses_the_input(service, http, model):
+    """n=9 passes this api (max_num_seqs 32) but no worker (8) can run it: the job fails on its input."""
+    response = http.post("/v1/completions", json={"model": model.name, "prompt": "hi", "n": 9, "max_tokens": 2},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "n" and "9 sequences" in error["message"]
+
+
+# ---- item 2: one client's stream cursor ---------------------------------------------------------
+
+
+def test_a_bad_last_event_id_is_a_400_and_cuts_no_other_stream(service, http, model):
+    _, redis, _ = service
+    body = {"prompt_token_ids": [9, 10, 11], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    followed = http.post("/generate", json=body, timeout=10).json()["seq_id"]
+    waited = http.post("/generate", json=body, timeout=10).json()["seq_id"]
+
+    def follow() -> list[tuple[str, str]]:
+        events = []
+        with http.stream("GET", f"/stream/{followed}", timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+        return events
+
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(follow)
+        result = pool.submit(lambda: http.get(f"/result/{waited}", params={"wait": 60}, timeout=70))
+        wait_until(lambda: redis.xlen(stream_key(followed)) > 3, 30, "the followed job to stream")
+        for bad in ("1-99999999999999999999999", "18446744073709551616-0", "1-x", "abc"):
+            response = http.get(f"/stream/{followed}", headers={"Last-Event-ID": bad}, timeout=10)
+            assert response.status_code == 400 and "Last-Event-ID" in response.json()["message"], response.text
+        events = stream.result(timeout=90)
+        assert result.result(timeout=90).status_code == 200
+    assert events[-1] == "end" and events.count("delta") >= 1
+    assert http.get(f"/result/{followed}", timeout=10).json()["status"] == "finished"
+    # The largest id Redis takes is accepted (and the stream is replayed after it: nothing).
+    response = http.get(f"/stream/{followed}", headers={"Last-Event-ID": f"{2**64 - 1}-{2**64 - 1}"}, timeout=10)
+    assert response.status_code == 200
+
+
+def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
+    """Past the api's check, should Redis still refuse one stream's cursor, that stream's followers alone hear of it."""
+    _, _, redis_server = service
+
+    async def run() -> tuple[object, list]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        hub = StreamHub(connection, block_s=0.2)
+        try:
+            async with hub.follow("good", "0-0") as good, hub.follow("bad", "1-99999999999999999999999") as bad:
+                await connection.xadd(stream_key("good"), {"type": "delta", "text": "x"})
+                refused = await asyncio.wait_for(bad.get(), 10)
+                await connection.xadd(stream_key("good"), {"type": "delta", "text": "y"})
+                batches = [await asyncio.wait_for(good.get(), 10)]
+                while sum(map(len, batches)) < 2:
+                    batches.append(await asyncio.wait_for(good.get(), 10))
+                return refused, batches
+        finally:
+            await hub.close()
+            await connection.aclose()
+
+    refused, batches = asyncio.run(run())
+    assert isinstance(refused, ResponseError)
+    assert [fields["text"] for batch in batches for _, fields in batch] == ["x", "y"]
+
+
+# ---- item 4: 500s that were the client's input ---------------------------------------------------
+
+
+def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(service, http, model):
+    lines = [
+        {"custom_id": "fine", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model.name, "prompt": [5, 6, 7], "max_tokens": 3}},
+        {"custom_id": "surrogate", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model.name, "prompt": "a\ud800b", "max_tokens": 3}},
+    ]
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    upload = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
+    batch = http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+                                                       "completion_window": "24h"}, timeout=60).json()
+    assert batch["status"] == "in_progress", batch
+    done = wait_until(lambda: (b := http.get(f"/v1/batches/{batch['id']}", timeout=30).json())["status"]
+                      == "completed" and b, 60, "the batch to complete")
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    errors = [json.loads(line) for line in http.get(f"/v1/files/{done['error_file_id']}/content").text.splitlines()]
+    assert [e["custom_id"] for e in errors] == ["surrogate"]
+    assert errors[0]["response"]["status_code"] == 400 and "surrogate" in errors[0]["response"]["body"]["error"]["message"]
+    for suffix in (":lines", ":outcomes", ":errors", ":lease"):
+        assert http.get(f"/v1/batches/{batch['id']}{suffix}", timeout=10).status_code == 404
+        assert http.post(f"/v1/batches/{batch['id']}{suffix}/cancel", timeout=10).status_code == 404
+
+
+# ---- item 5: tenancy ------------------------------------------------------------------------------
+
+
+def test_two_keys_cannot_touch_each_others_jobs_files_or_batches(service, model):
+    api, _, _ = service
+    with httpx.Client(base_url=api.url, timeout=60) as http:
+        job = http.post("/generate", headers=A, json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True}).json()["seq_id"]
+        for headers in (B, T1):
+            assert http.get(f"/result/{job}", headers=headers).status_code == 404
+            assert http.get(f"/result/{job}", headers=headers, params={"wait": 5}).status_code == 404
+            assert http.get(f"/stream/{job}", headers=headers).status_code == 404
+            assert http.delete(f"/result/{job}", headers=headers).status_code == 404
+        assert http.get(f"/result/{job}", headers=ADMIN).status_code == 200
+        assert http.delete(f"/result/{job}", headers=A).json()["status"] == "canceled"  # B's cancel did nothing
+
+        # A named tenant's keys share its work; other keys see none of it.
+        team_job = http.post("/generate", headers=T1, json={"prompt": "hi", "max_tokens": 2}).json()["seq_id"]
+        assert http.get(f"/result/{team_job}", headers=T2, params={"wait": 30}).json()["status"] == "finished"
+        assert http.get(f"/result/{team_job}", headers=A).status_code == 404
+        # The same Idempotency-Key from two tenants names two jobs.
+        ids = {http.post("/generate", headers={**h, "Idempotency-Key": "k1"}, json={"prompt": "hi", "max_tokens": 2}).json()["seq_id"]
+               for h in (A, B)}
+        assert len(ids) == 2
+
+        line = {"custom_id": "one", "method": "POST", "url": "/v1/completions",
+                "body": {"model": model.name, "prompt": [5, 6], "max_tokens": 2}}
+        upload = http.post("/v1/files", headers=A, files={"file": ("in.jsonl", json.dumps(line).encode())},
+                           data={"purpose": "batch"}).json()
+        for request in (("GET", f"/v1/files/{upload['id']}"), ("GET", f"/v1/files/{upload['id']}/content"),
+                        ("DELETE", f"/v1/files/{upload['id']}")):
+            assert http.request(*request, headers=B).status_code == 404, request
+        create = {"input_file_id": upload["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+        assert http.post("/v1/batches", headers=B, json=create).status_code == 404  # B cannot run A's file
+        batch = http.post("/v1/batches", headers=A, json=create).json()
+        assert http.get(f"/v1/batches/{batch['id']}", headers=B).status_code == 404
+        assert http.post(f"/v1/batches/{batch['id']}/cancel", headers=B).status_code == 404
+        assert http.get(f"/result/{batch['id']}-0", headers=B).status_code == 404  # its line's job
+        assert batch["id"] not in [b["id"] for b in http.get("/v1/batches", headers=B).json()["data"]]
+        assert batch["id"] in [b["id"] for b in http.get("/v1/batches", headers=A).json()["data"]]
+        assert batch["id"] in [b["id"] for b in http.get("/v1/batches", headers=ADMIN).json()["data"]]
+        done = wait_until(lambda: (b := http.get(f"/v1/batches/{batch['id']}", headers=A).json())["status"] == "completed" and b,
+                          60, "the batch to complete")
+        assert http.get(f"/v1/files/{done['output_file_id']}/content", headers=B).status_code == 404
+        assert http.get(f"/v1/files/{done['output_file_id']}/content", headers=A).status_code == 200
+        assert http.get(f"/v1/files/{upload['id']}", headers=A).status_code == 200  # B's delete did nothing
+
+        # Probes need a key here (PAGEDQ_PROBES_REQUIRE_KEY); liveness never does.
+        assert http.get("/metrics").status_code == 401 and http.get("/ready").status_code == 401
+        assert http.get("/metrics", headers=B).status_code == 200 and http.get("/ready", headers=B).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_no_key_reaches_a_log_however_it_is_sent(service, caplog):
+    api, _, _ = service
+    caplog.set_level(logging.DEBUG)
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        assert http.get("/result/abc", params={"api_key": KEY_A}).status_code == 401
+        assert http.get(f"/result/abc?key={KEY_B}&wait=1").status_code == 401
+        assert http.get("/result/abc", headers={"Authorization": f"Basic {KEY_T1}"}).status_code == 401
+        assert http.get("/result/abc", headers={"X-Api-Key": KEY_T2}).status_code == 401
+        assert http.get(f"/result/{KEY_ADMIN}", headers=A).status_code == 404  # a key pasted where an id goes
+        assert http.post("/generate", headers=A, json={"prompt": KEY_B, "bogus": 1}).status_code == 422
+    # What the api process logs (the test's own HTTP client logs its URLs too: not the api's).
+    server = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("uvicorn", "pagedq", "api", "rq")))
+    assert "GET /result/abc" in server  # the access log was captured
+    for key in (KEY_A, KEY_B, KEY_T1, KEY_T2, KEY_ADMIN):
+        assert key not in server
+
+
+# ---- worker-side isolation: a request the engine fails alone -----------------------------------
+
+
+def test_a_job_the_engine_fails_alone_fails_once_and_the_others_finish(service, model, expected, tmp_path):
+    """The batch worker's own loop (in this process, so a fault can be injected into its
+    real engine: nothing that passes the input rules is known to throw any more). The
+    poison's job fails once with the engine's error, never retried, while the bystanders
+    of the same steps finish with the offline tokens on their first attempt."""
+    from pagedq.engine import LLMEngine
+    from worker.rq.batch_worker import BatchWorker
+    from worker.rq.engine_factory import build_engine
+
+    api, redis, redis_server = service
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="isolation-inproc", job_retries=2)
+    threads = torch.get_num_threads()
+    engine: LLMEngine = build_engine(settings)  # with the workers' one thread, as `expected` was made
+    sampler = engine.sampler
+
+    def poisoned(logits, rows):
+        if any(seq.request.prompt_token_ids == [66, 67, 68] for seq in rows):
+            raise FloatingPointError("poison")
+        return sampler(logits, rows)
+
+    engine.sampler = poisoned
+    queue = Queue("isolation-inproc", connection=redis, serializer=JSONSerializer)
+
+    def enqueue(seq_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        kwargs = {"prompt": None, "prompt_token_ids": prompt_token_ids, "sampling": sampling, "beam": None, "priority": 0,
+                  "enqueued_at": time.time(), "stream": True}
+        queue.enqueue_job(queue.create_job(JOB_FUNCTION, kwargs=kwargs, job_id=seq_id, retry=Retry(max=2)))
+
+    for i, body in enumerate(BYSTANDERS):
+        enqueue(f"inproc-ok-{i}", body["prompt_token_ids"], body["max_tokens"])
+    enqueue("inproc-poison", [66, 67, 68], 8)
+    worker = BatchWorker(engine, settings, Redis.from_url(redis_server.url))
+    worker.bootstrap()
+    try:
+        ids = [f"inproc-ok-{i}" for i in range(len(BYSTANDERS))] + ["inproc-poison"]
+        deadline = time.monotonic() + 60
+        while any(fetch(redis, i).get_status() not in ("finished", "failed") for i in ids):
+            assert time.monotonic() < deadline, "the jobs did not end"
+            worker._tick()
+    finally:
+        worker.teardown()
+        torch.set_num_threads(threads)
+    poison = fetch(redis, "inproc-poison")
+    assert poison.get_status() == "failed" and len(poison.results()) == 1
+    assert poison.latest_result().exc_string.strip().splitlines()[-1].startswith(failure_line(RequestFailed))
+    assert "sampling failed: FloatingPointError('poison')" in poison.latest_result().exc_string
+    jobs = [fetch(redis, f"inproc-ok-{i}") for i in range(len(BYSTANDERS))]
+    assert [job.return_value()["token_ids"] for job in jobs] == expected
+    assert [len(job.results()) for job in jobs] == [1] * len(BYSTANDERS)
