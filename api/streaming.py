@@ -192,16 +192,20 @@ def _events(batch: list[Entry]) -> list[Event]:
     output merge into one (the last one's id and count), so a client that fell behind
     catches up in one event instead of one per token."""
     events: list[Event] = []
-    text, last_delta = [], None
+    text, logprobs, last_delta = [], None, None
     for entry_id, fields in [*batch, ("", {})]:
         kind = fields.get("type")
         if last_delta is not None and (kind != EVENT_DELTA or fields.get("index") != last_delta[1].get("index")):
             delta_id, delta = last_delta
             data = {"index": int(delta.get("index", "0")), "text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}
+            if logprobs is not None:
+                data["logprobs"] = logprobs
             events.append(("delta", data, delta_id))
-            text, last_delta = [], None
+            text, logprobs, last_delta = [], None, None
         if kind == EVENT_DELTA:
             text.append(fields.get("text", ""))
+            if "logprobs" in fields:
+                logprobs = (logprobs or []) + json.loads(fields["logprobs"])
             last_delta = (entry_id, fields)
         elif kind == EVENT_RESET:
             events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))

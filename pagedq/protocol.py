@@ -88,7 +88,9 @@ class GenerateRequest(SamplingParams):
 
 
 # Sampling fields beam search has no use for: setting one alongside use_beam_search is an error.
-_SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {"max_tokens", "ignore_eos", "skip_special_tokens"}
+_SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {
+    "max_tokens", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+}
 
 
 class JobPayload(BaseModel):
@@ -242,8 +244,9 @@ class ErrorResponse(BaseModel):
 
 
 # Stream events (fields of one Redis stream entry, all strings).
-# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"}: output I's new text
-# (possibly empty: a token that ends mid-character) and its count of tokens generated so far.
+# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"[, "logprobs": JSON]}: output
+# I's new text (possibly empty: a token that ends mid-character) and its count of tokens
+# generated so far; with logprobs asked for, its new tokens as [[id, {id: logprob}], ...].
 EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # a retried attempt starts over: drop the text received so far
 EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}

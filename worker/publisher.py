@@ -12,6 +12,7 @@ here, so the next one carries the text the failed one missed: a stream never ski
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -26,21 +27,28 @@ from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, PROGRESS_META_K
 # the worker's Redis traffic would otherwise cost as much as the step itself.
 # KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
 # the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
-# (index, text, num_tokens, new) per delta, then the serialized job.meta per job hash. A
-# stream's TTL is set by its first delta (new = 1) and kept by XADD. A meta is written only
-# if its job still exists: a write to a deleted job would recreate its hash.
+# (index, text, num_tokens, new, logprobs) per delta, then the serialized job.meta per job
+# hash. `logprobs` is "" unless the job asked for them: then the JSON list of the delta's
+# new tokens, each [token id, {token id: logprob}]. A stream's TTL is set by its first
+# delta (new = 1) and kept by XADD. A meta is written only if its job still exists: a
+# write to a deleted job would recreate its hash.
 _PUBLISH = """
 local ttl, deltas = ARGV[1], tonumber(ARGV[2])
 for i = 1, deltas do
-    local at = 4 * i - 1
-    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    local at = 5 * i - 2
+    if ARGV[at + 4] == '' then
+        redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    else
+        redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
+                   'logprobs', ARGV[at + 4])
+    end
     if ARGV[at + 3] == '1' then
         redis.call('EXPIRE', KEYS[i], ttl)
     end
 end
 for i = deltas + 1, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[3 * deltas + i + 2])
+        redis.call('HSET', KEYS[i], 'meta', ARGV[4 * deltas + i + 2])
     end
 end
 return #KEYS
@@ -83,6 +91,14 @@ class _Published:
     sent_tokens: list[int] = field(default_factory=list)
     next_progress_at: float = 0.0
     next_delta_at: float = 0.0
+
+
+def _logprobs_json(completion, sent_tokens: int) -> str:
+    """The new tokens' logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
+    if completion.logprobs is None:
+        return ""
+    new = zip(completion.token_ids[sent_tokens:], completion.logprobs[sent_tokens:])
+    return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
 
 
 def _pad(counts: list[int], length: int) -> list[int]:
@@ -147,7 +163,8 @@ class ProgressPublisher:
                     if len(completion.token_ids) > sent_tokens[index]:
                         state.next_delta_at = now + self.stream_interval_s
                         streams.append(stream_key(seq_id))
-                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started)]
+                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started),
+                                   _logprobs_json(completion, sent_tokens[index])]
                         started = True
             # Partial results are rewritten whole, so they are throttled; deltas never are.
             if now >= state.next_progress_at and not state.output.finished:
