@@ -258,8 +258,9 @@ class LLMEngine:
                 touched[request.request_id] = request
         if rows:
             sampled = self.sampler(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
+            sampled_at = time.time()  # a token exists once its step's forward and sampling are done
             for i, seq in enumerate(rows):
-                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], now)
+                self._append(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i], sampled_at)
                 touched[seq.request.request_id] = seq.request
         for request in touched.values():
             finished = request.is_finished

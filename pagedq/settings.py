@@ -7,7 +7,7 @@ Values come from `PAGEDQ_*` environment variables (e.g. `PAGEDQ_REDIS_URL`,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="The worker serves Prometheus /metrics on PAGEDQ_HOST at this port "
         "(None: off; 0: any free port, shown by GET /ready).",
+    )
+    metrics_prefix: Literal["pagedq", "vllm"] = Field(
+        "pagedq", description="Prefix of the worker's vLLM-named metrics: `pagedq:`, or vLLM's own `vllm:` "
+        "(for dashboards written against vLLM).",
     )
 
     @field_validator("api_keys", mode="before")

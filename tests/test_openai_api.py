@@ -260,15 +260,23 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     def moved(name: str, labels: tuple = ()) -> float:
         return after[(name, labels)] - before[(name, labels)]
 
+    # vLLM's metrics carry vLLM's labels, so its Grafana dashboard can select the model.
+    vllm_labels = (("engine", "0"), ("model_name", model.name))
     assert moved("pagedq:jobs_finished_total") == 1 and moved("pagedq:jobs_failed_total") == 0
-    assert moved("pagedq:generation_tokens_total") == 7
-    assert moved("pagedq:prompt_tokens_total") > 0 and moved("pagedq:prefix_cache_queries_total") >= 0
-    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
-        assert moved(f"pagedq:{histogram}_seconds_count") == 1
-        assert moved(f"pagedq:{histogram}_seconds_sum") > 0
-    assert moved("pagedq:inter_token_latency_seconds_count") == 6  # 7 tokens, 6 gaps
+    assert moved("pagedq:generation_tokens_total", vllm_labels) == 7
+    assert moved("pagedq:prompt_tokens_total", vllm_labels) > 0
+    assert moved("pagedq:prefix_cache_queries_total", vllm_labels) >= 0
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                      "request_decode_time", "request_inference_time"):
+        assert moved(f"pagedq:{histogram}_seconds_count", vllm_labels) == 1
+        assert moved(f"pagedq:{histogram}_seconds_sum", vllm_labels) > 0
+    assert moved("pagedq:inter_token_latency_seconds_count", vllm_labels) == 6  # 7 tokens, 6 gaps
+    assert moved("pagedq:request_generation_tokens_sum", vllm_labels) == 7
+    assert moved("pagedq:request_params_max_tokens_sum", vllm_labels) == 7
+    assert moved("pagedq:request_success_total", tuple(sorted((*vllm_labels, ("finished_reason", "length"))))) == 1
+    assert moved("pagedq:iteration_tokens_total_sum", vllm_labels) >= 7
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
-        assert (f"pagedq:{gauge}", ()) in after
+        assert (f"pagedq:{gauge}", vllm_labels) in after
     assert {labels for name, labels in after if name == "pagedq:queue_depth"} == {
         (("queue", QUEUE),), (("queue", f"{QUEUE}.batch"),)}
     assert after[("pagedq:jobs_requeued_total", ())] == 0
