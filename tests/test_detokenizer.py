@@ -336,3 +336,17 @@ def test_stop_string_completed_by_the_min_tokens_th_token_does_not_count():
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="END", min_tokens=first_end))
     assert detok.update(ids) == "END"
     assert detok.output_text == "xx END yy "
+
+
+@pytest.mark.parametrize("spaces_between_special_tokens", [True, False])
+def test_consecutive_special_tokens_show_as_their_content(spaces_between_special_tokens):
+    """vLLM's fast detokenizer with spaces_between_special_tokens=False shows a special
+    token that follows another as its raw content; with True (its default) it shows what
+    the tokenizer decodes. Fast tokenizers decode added tokens as their content with no
+    space between, so both settings give the same text, here and in vLLM."""
+    tok = sentencepiece_tokenizer()
+    hello, bos, eos, world = tok.convert_tokens_to_ids(["▁Hello", "<s>", "</s>", "▁world"])
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces_between_special_tokens)
+    detok = IncrementalDetokenizer(tok, [hello], params)
+    stream(detok, [bos, eos, eos, world], [1])
+    assert detok.output_text == "<s></s></s> world"

@@ -26,6 +26,7 @@ from pagedq.sampling_params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token (vLLM uses 5 too).
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -42,12 +43,8 @@ class IncrementalDetokenizer:
         # string kept in the output is never cut, so then nothing waits (as in vLLM).
         self._holdback = 0 if self._include_stop_str else max((len(s) for s in self._stop_strings), default=1) - 1
 
-        prompt_tail = [t for t in prompt_token_ids if t not in self._skipped_ids] if self._skipped_ids else prompt_token_ids
-        context = list(prompt_tail[-_PROMPT_CONTEXT_TOKENS:])
-        context_text = self._decode(context)
-        if context_text.endswith(_REPLACEMENT_CHAR):
-            # A prompt ending inside a character would lend the output its first bytes.
-            context, context_text = [], ""
+        prompt = [t for t in prompt_token_ids if t not in self._skipped_ids] if self._skipped_ids else prompt_token_ids
+        context, context_text = self._prompt_context(prompt)
         self._window = context
         self._num_context_tokens = len(context)
         self._context_text = context_text
@@ -93,6 +90,21 @@ class IncrementalDetokenizer:
         if not self._done:
             self._append_window_text(final=True)
             self._done = True
+
+    def _prompt_context(self, prompt: list[int]) -> tuple[list[int], str]:
+        """The prompt's last tokens that decode cleanly: at least _PROMPT_CONTEXT_TOKENS,
+        more if those start inside a character (as vLLM looks for a clean suffix of up to
+        24). Failing that, the last few, unless they end inside a character: a prompt
+        ending mid-character would lend the output its first bytes."""
+        shortest = min(_PROMPT_CONTEXT_TOKENS, len(prompt))
+        for length in range(shortest, min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            context = list(prompt[len(prompt) - length :])
+            text = self._decode(context)
+            if _REPLACEMENT_CHAR not in text:
+                return context, text
+        context = list(prompt[len(prompt) - shortest :])
+        text = self._decode(context)
+        return ([], "") if text.endswith(_REPLACEMENT_CHAR) else (context, text)
 
     def decode_token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
