@@ -316,10 +316,18 @@ def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(include, 
     assert detok.output_text == "ab" + (EOS if include and not skip_special_tokens else "")
 
 
-def test_stop_token_ends_without_looking_for_stop_strings():
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_may_end_in_a_kept_stop_tokens_text(include):
+    """vLLM V1 looks for stop strings in the text this update decoded, the stop token's
+    own text included when include_stop_str_in_output keeps it."""
     tok = byte_level_tokenizer()
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="b", include_stop_str_in_output=True))
-    assert detok.update(tok.encode("ab"), stop_terminated=True) is None
+    eos = tok.convert_tokens_to_ids(EOS)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="endoftext", include_stop_str_in_output=include,
+                                                           skip_special_tokens=False))
+    assert detok.update(tok.encode("ab")) is None
+    assert detok.update([eos], stop_terminated=True) == ("endoftext" if include else None)
+    detok.finish()
+    assert detok.output_text == ("ab<|endoftext" if include else "ab")
 
 
 def test_stop_string_completed_by_the_min_tokens_th_token_does_not_count():

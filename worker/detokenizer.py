@@ -64,8 +64,8 @@ class IncrementalDetokenizer:
         """Decode the new tokens; return the stop string that ended the text, if one did.
 
         `stop_terminated`: the last token is the eos or stop token that ends the
-        sequence. As in vLLM V1, its text is left out unless include_stop_str_in_output,
-        and stop strings are not looked for. Stop strings count only once more than
+        sequence. As in vLLM V1, its text is left out unless include_stop_str_in_output
+        (then a stop string may still end in it). Stop strings count only once more than
         min_tokens tokens exist, and only where they end in text of the tokens after the
         first min_tokens (vLLM V1's rule)."""
         if self._done:
@@ -80,7 +80,7 @@ class IncrementalDetokenizer:
                 self._append_window_text(final=False)
             if self._num_output_tokens <= self._min_tokens:
                 searched_from = len(self._text)
-        if stop_terminated or self._num_output_tokens <= self._min_tokens:
+        if self._num_output_tokens <= self._min_tokens:
             return None
         return self._cut_at_stop_string(searched_from)
 
