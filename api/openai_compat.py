@@ -329,7 +329,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
 
     ended: set[str] = set()
     completion_tokens: dict[str, int] = {}
-    queue: asyncio.Queue[str | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
 
     async def follow(job: _Job) -> None:
         try:
@@ -345,7 +345,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
             ))
             completion_tokens[job.seq_id] = result.usage.completion_tokens
             await queue.put(None)
-        except BaseException as exc:  # ends the response, whatever it is
+        except Exception as exc:  # ends the response, whatever it is
             await queue.put(exc)
 
     tasks = []
@@ -361,7 +361,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
             elif isinstance(item, _StreamError):
                 yield error(str(item), item.code)
                 return
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield item
