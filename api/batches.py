@@ -75,6 +75,16 @@ class RequestCounts(BaseModel):
     failed: int = 0
 
 
+class BatchUsage(BaseModel):
+    """OpenAI's batch usage: the tokens of the requests that completed."""
+
+    input_tokens: int = 0
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens: int = 0
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int = 0
+
+
 class BatchObject(BaseModel):
     """OpenAI's batch object."""
 
@@ -98,6 +108,8 @@ class BatchObject(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    # Set when the batch ends (it sums the completed requests' usage from their results).
+    usage: BatchUsage | None = None
     metadata: dict[str, str] | None = None
 
 
@@ -350,7 +362,10 @@ class BatchStore:
             body = self.translator.parse(record.endpoint, line["body"])
             if body.stream:
                 raise ApiError(400, "stream: not available in a batch", param="stream")
-            request, prompt_token_ids = self.translator.prepare(record.endpoint, body)
+            prepared = self.translator.prepare(record.endpoint, body)
+            if len(prepared) != 1:
+                raise ApiError(400, f"prompt: one prompt per batch line, got {len(prepared)}", param="prompt")
+            ((request, prompt_token_ids),) = prepared
             request.priority = self.settings.batch_priority
         except ApiError as exc:
             error = openai_error_body(exc.status_code, str(exc.detail), exc.param, exc.code)
@@ -431,8 +446,9 @@ class BatchStore:
         outcomes = {int(i): o.decode() for i, o in outcomes.items()}
         finished = sorted(i for i, outcome in outcomes.items() if outcome == "finished")
         expired: list[int] = []  # finished, but their results are gone
+        record.usage = BatchUsage()
         if finished:
-            output = self._output_lines(record, finished, custom_ids, expired)
+            output = self._output_lines(record, finished, custom_ids, expired, record.usage)
             record.output_file_id = self._write(record, "output", output)
         unfinished = sorted(set(errors) | {i for i, outcome in outcomes.items() if outcome != "finished"} | set(expired))
         if unfinished:
@@ -462,14 +478,19 @@ class BatchStore:
             yield from zip(chunk, Job.fetch_many(ids, self.connection, serializer=JSONSerializer))
             self._renew_lease(record.id)
 
-    def _output_lines(self, record: BatchRecord, finished: list[int], custom_ids: dict, expired: list[int]) -> Iterator[str]:
+    def _output_lines(self, record: BatchRecord, finished: list[int], custom_ids: dict, expired: list[int],
+                      usage: BatchUsage) -> Iterator[str]:
+        """The output file's lines; adds each request's tokens to `usage`."""
         for index, job in self._jobs(record, finished):
             result = self.jobs.job_outcome(job)[1] if job is not None else None
             if result is None:
                 expired.append(index)  # for the error file
                 continue
+            usage.input_tokens += result.usage.prompt_tokens
+            usage.output_tokens += result.usage.completion_tokens
+            usage.total_tokens = usage.input_tokens + usage.output_tokens
             logprobs = JobPayload.model_validate(job.kwargs).sampling.logprobs
-            body = self.translator.response(record.endpoint, line_job_id(record.id, index), result, logprobs)
+            body = self.translator.response(record.endpoint, line_job_id(record.id, index), [result], logprobs)
             yield _response_line(record.id, index, custom_ids.get(index), 200, body)
 
     def _error_lines(self, record: BatchRecord, unfinished: list[int], custom_ids: dict, errors: dict,

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, File, Form, Header, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from redis import Redis
@@ -26,7 +26,7 @@ from redis import Redis
 from api.auth import Caller, authenticate
 from api.errors import ApiError
 from api.threads import blocking
-from pagedq.redis_schema import file_content_key, file_meta_key
+from pagedq.redis_schema import FILES_KEY, file_content_key, file_meta_key
 from pagedq.settings import Settings
 
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9_-]{1,100}$")
@@ -109,6 +109,8 @@ class FileStore:
         finally:
             self._discard(upload)
         if claimed:
+            # Scored by the exact time, so files created in one second keep their order.
+            self.connection.zadd(FILES_KEY, {stored.id: time.time()})
             return stored
         existing = self.get(file_id)
         if existing is None or existing.sha256 != stored.sha256:
@@ -169,9 +171,39 @@ class FileStore:
         if rest:
             yield rest
 
+    def list(self, caller: Caller, purpose: str | None, limit: int, descending: bool, after: str | None) -> tuple[list[StoredFile], bool]:
+        """Up to `limit` of the caller's files (of `purpose`, if given) in creation order,
+        starting past the file `after`; and whether more follow."""
+        page = 500
+        id_range = self.connection.zrevrange if descending else self.connection.zrange
+        start = 0
+        if after is not None:
+            rank = (self.connection.zrevrank if descending else self.connection.zrank)(FILES_KEY, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        found: list[StoredFile] = []
+        gone: list[str] = []
+        while len(found) <= limit:
+            ids = [i.decode() if isinstance(i, bytes) else i for i in id_range(FILES_KEY, start, start + page - 1)]
+            if not ids:
+                break
+            start += page
+            for file_id, raw in zip(ids, self.connection.mget([file_meta_key(i) for i in ids])):
+                if raw is None:
+                    gone.append(file_id)
+                    continue
+                stored = StoredFile.model_validate_json(raw)
+                if caller.owns(stored.owner) and (purpose is None or stored.purpose == purpose):
+                    found.append(stored)
+        if gone:
+            self.connection.zrem(FILES_KEY, *gone)
+        return found[:limit], len(found) > limit
+
     def delete(self, file_id: str) -> bool:
         if self.get(file_id) is None:
             return False
+        self.connection.zrem(FILES_KEY, file_id)
         self.connection.delete(file_meta_key(file_id), file_content_key(file_id))
         if self.directory is not None:
             (self.directory / file_id).unlink(missing_ok=True)
@@ -223,6 +255,23 @@ async def upload_file(
     except FileConflict:
         raise ApiError(409, "Idempotency-Key: already used for a file with other content", code="idempotency_conflict") from None
     return _public(stored)
+
+
+@router.get("")
+async def list_files(
+    request: Request,
+    caller: Auth,
+    purpose: Annotated[str | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+    after: Annotated[str | None, Query(description="A file id: list the files after it.")] = None,
+) -> dict:
+    """OpenAI's file list: the caller's files, newest first unless order=asc, paged with limit/after."""
+    files: FileStore = request.app.state.files
+    found, has_more = await blocking(request, files.list, caller, purpose, limit, order == "desc", after)
+    data = [_public(stored) for stored in found]
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
 @router.get("/{file_id}")

@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -30,7 +31,7 @@ from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
-from pagedq.protocol import Completion, GenerateRequest, GenerationResult
+from pagedq.protocol import GenerateRequest, GenerationResult
 from pagedq.redis_schema import TERMINAL, JobState
 from pagedq.settings import Settings
 
@@ -80,16 +81,18 @@ class OpenAITranslator:
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
 
-    def prepare(self, endpoint: Endpoint, body: OpenAIRequest) -> tuple[GenerateRequest, list[int]]:
-        """The GenerateRequest and prompt token ids of a validated body; ApiError (404, 400) for what cannot run."""
+    def prepare(self, endpoint: Endpoint, body: OpenAIRequest) -> list[tuple[GenerateRequest, list[int]]]:
+        """The GenerateRequest and prompt token ids of each of a validated body's prompts (a
+        completion may list several); ApiError (404, 400) for what cannot run."""
         self.check_model(body.model)
         try:
             if endpoint == CHAT:
                 messages = [message.template_dict() for message in body.messages]
-                request = body.generate_request(self.checker.chat_token_ids(messages, body.add_generation_prompt))
+                requests = body.generate_requests(self.checker.chat_token_ids(messages, body.add_generation_prompt))
             else:
-                request = body.generate_request()
-            return self.checker.with_generation_defaults(request), self.checker.prompt_token_ids(request)
+                requests = body.generate_requests()
+            return [(self.checker.with_generation_defaults(request), self.checker.prompt_token_ids(request))
+                    for request in requests]
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
         except ValueError as exc:
@@ -97,51 +100,58 @@ class OpenAITranslator:
 
     # ---- responses ----------------------------------------------------------------------
 
-    def response(self, endpoint: Endpoint, seq_id: str, result: GenerationResult, top_logprobs: int | None) -> dict:
-        """OpenAI's response body for a finished job: a choice per output. `top_logprobs`:
-        the job's SamplingParams.logprobs (chat lists that many alternatives per token)."""
-        created = int(result.timings.enqueued or time.time())
-        usage = _usage(result.usage.prompt_tokens, result.usage.completion_tokens)
+    def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None) -> dict:
+        """OpenAI's response body for finished jobs (one per prompt): a choice per output,
+        indexed as OpenAI does (prompt by prompt, each prompt's n outputs in turn); usage
+        summed. `top_logprobs`: the jobs' SamplingParams.logprobs (chat lists that many
+        alternatives per token)."""
+        created = int(results[0].timings.enqueued or time.time())
+        usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
+        indexed = [(offset + output.index, output) for offset, result in zip(_choice_offsets(results), results)
+                   for output in result.outputs]
         if endpoint == COMPLETIONS:
             choices = [
-                {"index": output.index, "text": output.text, "logprobs": self._completion_logprobs(output),
+                {"index": index, "text": output.text, "logprobs": self.completion_logprobs(output.token_ids, output.logprobs),
                  "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-                for output in result.outputs
+                for index, output in indexed
             ]
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
         choices = [
-            {"index": output.index, "message": {"role": "assistant", "content": output.text},
-             "logprobs": self._chat_logprobs(output, top_logprobs or 0) if top_logprobs is not None else None,
+            {"index": index, "message": {"role": "assistant", "content": output.text},
+             "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
+             if top_logprobs is not None else None,
              "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-            for output in result.outputs
+            for index, output in indexed
         ]
         return {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
                 "choices": choices, "usage": usage}
 
-    def _steps(self, output: Completion) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    def _steps(self, token_ids: list[int], logprobs: list[dict[str, float]]) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per generated token: its text, its logprob, and the alternatives (text, logprob) best first."""
-        ranked = [sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1]) for step in output.logprobs]
-        ids = sorted({token_id for step in ranked for token_id, _ in step} | set(output.token_ids))
+        ranked = [sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1]) for step in logprobs]
+        ids = sorted({token_id for step in ranked for token_id, _ in step} | set(token_ids))
         texts = dict(zip(ids, self.checker.token_texts(ids)))
         return [
             (texts[token_id], step[str(token_id)], [(texts[i], lp) for i, lp in alternatives])
-            for token_id, step, alternatives in zip(output.token_ids, output.logprobs, ranked)
+            for token_id, step, alternatives in zip(token_ids, logprobs, ranked)
         ]
 
-    def _completion_logprobs(self, output: Completion) -> dict | None:
-        if output.logprobs is None:
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[str, float]] | None,
+                            text_offset: int = 0) -> dict | None:
+        """Completions' logprobs object for these tokens; `text_offset`: where their text starts in the choice's."""
+        if logprobs is None:
             return None
-        steps = self._steps(output)
-        offsets, offset = [], 0
+        steps = self._steps(token_ids, logprobs)
+        offsets, offset = [], text_offset
         for text, _, _ in steps:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": [text for text, _, _ in steps], "token_logprobs": [lp for _, lp, _ in steps],
                 "top_logprobs": [dict(alternatives) for _, _, alternatives in steps], "text_offset": offsets}
 
-    def _chat_logprobs(self, output: Completion, top_logprobs: int) -> dict | None:
-        if output.logprobs is None:
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[str, float]] | None, top_logprobs: int) -> dict | None:
+        if logprobs is None:
             return None
 
         def entry(text: str, logprob: float) -> dict:
@@ -149,7 +159,7 @@ class OpenAITranslator:
 
         return {"content": [
             {**entry(text, lp), "top_logprobs": [entry(t, alp) for t, alp in alternatives[:top_logprobs]]}
-            for text, lp, alternatives in self._steps(output)
+            for text, lp, alternatives in self._steps(token_ids, logprobs)
         ]}
 
 
@@ -157,6 +167,15 @@ def _param(message: str) -> str | None:
     """The field an error message names first ("n: ..." names n), as OpenAI's `param`."""
     head, colon, _ = message.partition(":")
     return head if colon and " " not in head else None
+
+
+def _choice_offsets(results: list[GenerationResult]) -> list[int]:
+    """The first choice index of each prompt's outputs."""
+    offsets, offset = [], 0
+    for result in results:
+        offsets.append(offset)
+        offset += len(result.outputs)
+    return offsets
 
 
 # ---- endpoints ----------------------------------------------------------------------------
@@ -193,38 +212,70 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
 
-    def submit() -> tuple[str, GenerateRequest]:
-        generate, prompt_token_ids = translator.prepare(endpoint, body)
-        seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
-        return seq_id, generate
+    def submit() -> list[_Job]:
+        """One job per prompt; should one not be queued, those queued before it are canceled."""
+        jobs: list[_Job] = []
+        try:
+            for generate, prompt_token_ids in translator.prepare(endpoint, body):
+                seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
+                jobs.append(_Job(seq_id, generate, len(prompt_token_ids), len(jobs) * generate.n))
+        except BaseException:
+            for job in jobs:
+                _cancel(store, job.seq_id)
+            raise
+        return jobs
 
     try:
-        seq_id, generate = await blocking(request, submit)
+        jobs = await blocking(request, submit)
     except QueueFull as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, seq_id, generate.n, body.include_usage),
+            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    state = await _wait(request, seq_id, settings.completion_timeout_s)
-    if state not in TERMINAL:
+    deadline = time.monotonic() + settings.completion_timeout_s
+    for job in jobs:
+        state = await _wait(request, job.seq_id, deadline - time.monotonic())
+        if state in TERMINAL:
+            continue
         try:
-            await blocking(request, store.cancel, seq_id, ANYONE)
+            await blocking(request, store.cancel, job.seq_id, ANYONE)
         except AlreadyFinished:
-            pass  # it ended just now: answer it
-        else:
-            raise ApiError(504, f"job {seq_id} did not finish within {settings.completion_timeout_s:g}s "
-                           "(PAGEDQ_COMPLETION_TIMEOUT_S) and was canceled; stream, or use the Batch API, for long work",
-                           code="timeout")
-    state, result, error = await blocking(request, store.outcome, seq_id)
-    if state == "failed":
-        if (invalid := invalid_input(error)) is not None:
-            raise ApiError(400, invalid, param=_param(invalid), code="invalid_request")
-        raise ApiError(500, f"job {seq_id} failed: {error}", code="job_failed")
-    if result is None:
-        raise ApiError(409, f"job {seq_id} was {state or 'deleted'} before it finished", code="canceled")
-    return JSONResponse(translator.response(endpoint, seq_id, result, generate.logprobs))
+            continue  # it ended just now: answer it
+        for other in jobs:
+            await blocking(request, _cancel, store, other.seq_id)
+        raise ApiError(504, f"job {job.seq_id} did not finish within {settings.completion_timeout_s:g}s "
+                       "(PAGEDQ_COMPLETION_TIMEOUT_S) and was canceled; stream, or use the Batch API, for long work",
+                       code="timeout")
+    results = []
+    for job in jobs:
+        state, result, error = await blocking(request, store.outcome, job.seq_id)
+        if state == "failed":
+            if (invalid := invalid_input(error)) is not None:
+                raise ApiError(400, invalid, param=_param(invalid), code="invalid_request")
+            raise ApiError(500, f"job {job.seq_id} failed: {error}", code="job_failed")
+        if result is None:
+            raise ApiError(409, f"job {job.seq_id} was {state or 'deleted'} before it finished", code="canceled")
+        results.append(result)
+    return JSONResponse(translator.response(endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs))
+
+
+@dataclass
+class _Job:
+    """One prompt's job of a request; its outputs are choices `first_choice` on."""
+
+    seq_id: str
+    generate: GenerateRequest
+    prompt_tokens: int
+    first_choice: int
+
+
+def _cancel(store: JobStore, seq_id: str) -> None:
+    try:
+        store.cancel(seq_id, ANYONE)
+    except AlreadyFinished:
+        pass
 
 
 async def _wait(request: Request, seq_id: str, timeout_s: float) -> JobState | None:
@@ -240,86 +291,159 @@ async def _wait(request: Request, seq_id: str, timeout_s: float) -> JobState | N
     return await streams.state(seq_id)
 
 
-def _cancel_in_background(request: Request, seq_id: str) -> None:
+def _cancel_in_background(request: Request, seq_ids: list[str]) -> None:
     """Cancel from a response being torn down (the client left): not awaited."""
     store: JobStore = request.app.state.store
 
     def cancel() -> None:
-        try:
-            store.cancel(seq_id, ANYONE)
-        except AlreadyFinished:
-            pass
+        for seq_id in seq_ids:
+            _cancel(store, seq_id)
 
     asyncio.get_running_loop().run_in_executor(None, cancel)
 
 
-async def _stream(request: Request, endpoint: Endpoint, seq_id: str, n: int, include_usage: bool) -> AsyncIterator[str]:
-    """The job's deltas as OpenAI chunks (a choice per output index), then `data: [DONE]`.
-    A job retried after its worker died starts over: each output's new text is checked
-    against what the client already has and only the rest is sent (greedy and seeded
-    requests repeat themselves); should one differ, the stream ends with an error."""
+class _StreamError(Exception):
+    """Ends the whole response with an OpenAI error chunk."""
+
+    def __init__(self, message: str, code: str, status: int = 500):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], include_usage: bool,
+                  continuous_usage: bool) -> AsyncIterator[str]:
+    """The jobs' deltas as OpenAI chunks (a choice per output, numbered across the jobs of
+    a prompt list), then the usage chunk if asked for, then `data: [DONE]`. Every chunk
+    carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far."""
     translator = _translator(request)
-    store: JobStore = request.app.state.store
     chat = endpoint == CHAT
-    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{seq_id}", "object": "chat.completion.chunk" if chat else "text_completion",
+    base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].seq_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": translator.model_id}
 
-    def chunk(index: int, text: str | None, finish_reason: str | None = None) -> str:
+    def chunk(job: _Job, index: int, text: str | None, completion_tokens: int, logprobs: dict | None = None,
+              finish_reason: str | None = None, stop_reason: int | str | None = None, role: bool = False) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": job.first_choice + index, "delta": {"role": "assistant", **delta} if role else delta}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return _sse({**base, "choices": [choice]})
+            choice = {"index": job.first_choice + index, "text": text or ""}
+        choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
+        usage = _usage(job.prompt_tokens, completion_tokens) if continuous_usage else None
+        return _sse({**base, "choices": [choice], "usage": usage})
 
     def error(message: str, code: str, status: int = 500) -> str:
         return _sse(openai_error_body(status, message, _param(message) if status < 500 else None, code)) + _sse("[DONE]")
 
-    done = False
+    ended: set[str] = set()
+    completion_tokens: dict[str, int] = {}
+    queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
+
+    async def follow(job: _Job) -> None:
+        try:
+            async for text in _job_chunks(request, job, chunk, translator, chat):
+                await queue.put(text)
+            state, result, failure = await blocking(request, request.app.state.store.outcome, job.seq_id)
+            ended.add(job.seq_id)
+            if (invalid := invalid_input(failure)) is not None:
+                raise _StreamError(invalid, "invalid_request", 400)
+            if result is None:
+                raise _StreamError(f"job {job.seq_id} {state}: {failure or 'canceled'}", f"job_{state}")
+            await queue.put("".join(
+                chunk(job, output.index, None, len(output.token_ids), None, output.finish_reason, output.stop_reason)
+                for output in result.outputs
+            ))
+            completion_tokens[job.seq_id] = result.usage.completion_tokens
+            await queue.put(None)
+        except Exception as exc:  # ends the response, whatever it is
+            await queue.put(exc)
+
+    tasks = []
+    try:
+        if chat:
+            yield "".join(chunk(job, index, "", 0, role=True) for job in jobs for index in range(job.generate.n))
+        tasks = [asyncio.create_task(follow(job)) for job in jobs]
+        remaining = len(jobs)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, _StreamError):
+                yield error(str(item), item.code, item.status)
+                return
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+        tail = []
+        if include_usage:
+            usage = _usage(sum(job.prompt_tokens for job in jobs), sum(completion_tokens.values()))
+            tail.append(_sse({**base, "choices": [], "usage": usage}))
+        yield "".join(tail) + _sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        unfinished = [job.seq_id for job in jobs if job.seq_id not in ended]
+        if unfinished:
+            _cancel_in_background(request, unfinished)
+
+
+async def _job_chunks(request: Request, job: _Job, chunk, translator: OpenAITranslator, chat: bool) -> AsyncIterator[str]:
+    """One job's deltas as chunks, until its `end` event. A job retried after its worker
+    died starts over: each output's new text is checked against what the client already
+    has and only the rest is sent (greedy and seeded requests repeat themselves); should
+    one differ, the stream ends with an error. Logprobs (when asked for) go out with the
+    chunk of their tokens, each token's once."""
     sent: dict[int, str] = {}
     # A retried attempt's text so far, per output still behind what was sent.
     retry: dict[int, str] = {}
-    try:
-        if chat:
-            yield "".join(_sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]}) for index in range(n))
-        async for events in request.app.state.streams.relay(seq_id):
-            out = []
-            for kind, data, _ in events:
-                if kind == "reset":
-                    retry = dict.fromkeys(range(n), "")
-                elif kind == "delta":
-                    index, text = data.get("index", 0), data["text"]
-                    already = sent.get(index, "")
-                    if index in retry:
-                        redone = retry[index] + text
-                        if not (already.startswith(redone) or redone.startswith(already)):
-                            yield "".join(out) + error(f"job {seq_id} was rerun after its worker failed and its text "
-                                                       "differs from what was streamed; retry the request", "rerun_diverged")
-                            return
-                        if len(redone) <= len(already):
-                            retry[index] = redone
-                            continue
-                        text = redone[len(already):]
-                        del retry[index]
-                    if text:
-                        sent[index] = already + text
-                        out.append(chunk(index, text))
-                elif kind == "end":
-                    done = True
-                    state, result, failure = await blocking(request, store.outcome, seq_id)
-                    if (invalid := invalid_input(failure)) is not None:
-                        out.append(error(invalid, "invalid_request", 400))
-                    elif result is None:
-                        out.append(error(f"job {seq_id} {state}: {failure or 'canceled'}", f"job_{state}"))
-                    else:
-                        out += [chunk(output.index, None, output.finish_reason) for output in result.outputs]
-                        if include_usage:
-                            usage = _usage(result.usage.prompt_tokens, result.usage.completion_tokens)
-                            out.append(_sse({**base, "choices": [], "usage": usage}))
-                        out.append(_sse("[DONE]"))
-            if out:
-                yield "".join(out)
-    finally:
-        if not done:
-            _cancel_in_background(request, seq_id)
+    # Per output: how many tokens' logprobs were sent, and those received but not yet sent;
+    # completions' text_offset counts the sent tokens' own texts, as the non-streamed response does.
+    logprobs_sent: dict[int, int] = {}
+    logprobs_pending: dict[int, list] = {}
+    token_text_offset: dict[int, int] = {}
+    async for events in request.app.state.streams.relay(job.seq_id):
+        out = []
+        for kind, data, _ in events:
+            if kind == "reset":
+                retry = dict.fromkeys(range(job.generate.n), "")
+            elif kind == "delta":
+                index, text, num_tokens = data.get("index", 0), data["text"], data["num_tokens"]
+                if "logprobs" in data:
+                    steps = data["logprobs"]
+                    first_position = num_tokens - len(steps)
+                    done = logprobs_sent.get(index, 0) + len(logprobs_pending.get(index, []))
+                    logprobs_pending.setdefault(index, []).extend(steps[max(done - first_position, 0):])
+                already = sent.get(index, "")
+                if index in retry:
+                    redone = retry[index] + text
+                    if not (already.startswith(redone) or redone.startswith(already)):
+                        if out:
+                            yield "".join(out)
+                        raise _StreamError(f"job {job.seq_id} was rerun after its worker failed and its text "
+                                           "differs from what was streamed; retry the request", "rerun_diverged")
+                    if len(redone) <= len(already):
+                        retry[index] = redone
+                        continue
+                    text = redone[len(already):]
+                    del retry[index]
+                steps = logprobs_pending.pop(index, [])
+                if text or steps:
+                    logprobs = None
+                    if steps:
+                        token_ids, step_logprobs = [t for t, _ in steps], [lp for _, lp in steps]
+                        logprobs_sent[index] = logprobs_sent.get(index, 0) + len(steps)
+                        if chat:
+                            logprobs = translator.chat_logprobs(token_ids, step_logprobs, job.generate.logprobs)
+                        else:
+                            logprobs = translator.completion_logprobs(token_ids, step_logprobs, token_text_offset.get(index, 0))
+                            token_text_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    sent[index] = already + text
+                    out.append(chunk(job, index, text, num_tokens, logprobs))
+            elif kind == "end":
+                if out:
+                    yield "".join(out)
+                return
+        if out:
+            yield "".join(out)

@@ -2,8 +2,12 @@
 serves, vLLM's extra sampling fields (`extra_body` in the openai client), and clear
 errors for what it does not (echo, suffix, best_of, logit_bias, tools, images).
 
-Unknown fields are rejected rather than ignored: a request whose meaning would silently
-change (tools, a response format) is worse than a 400 naming the field.
+OpenAI fields that change nothing about the generated text (`user`, `metadata`, `store`,
+`service_tier`, `safety_identifier`, `prompt_cache_key`; for chat `parallel_tool_calls`,
+which means nothing without tools, and `reasoning_effort`, which only reasoning models
+read) are accepted and ignored, as vLLM ignores them. Any other unknown field is
+rejected rather than ignored: a request whose meaning would silently change (tools, a
+response format) is worse than a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -19,14 +23,19 @@ from pagedq.request_rules import ValidInput
 _SAMPLING = (
     "n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "spaces_between_special_tokens",
 )
+_IGNORED = "Accepted and ignored, as vLLM ignores it: it changes nothing about the generated text."
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    # vLLM's defaults: stream_options given means usage at the end unless turned off.
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = Field(
+        False, description="vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens)."
+    )
 
 
 class _OpenAIRequest(ValidInput):
@@ -44,7 +53,12 @@ class _OpenAIRequest(ValidInput):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: str | None = Field(None, description=_IGNORED)
+    metadata: dict[str, str] | None = Field(None, description=_IGNORED)
+    store: bool | None = Field(None, description=_IGNORED)
+    service_tier: str | None = Field(None, description=_IGNORED)
+    safety_identifier: str | None = Field(None, description=_IGNORED)
+    prompt_cache_key: str | None = Field(None, description=_IGNORED)
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -54,6 +68,7 @@ class _OpenAIRequest(ValidInput):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     priority: int = Field(0, description="vLLM's request priority: lower runs earlier.")
 
     @model_validator(mode="after")
@@ -66,14 +81,17 @@ class _OpenAIRequest(ValidInput):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: usage in every chunk needs include_usage and continuous_usage_stats."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _sampling(self, default_max_tokens: int | None, logprobs: int | None) -> dict:
         fields = {name: getattr(self, name) for name in _SAMPLING if getattr(self, name) is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         if logprobs is not None:
-            if self.stream:
-                raise ValueError("logprobs: not available when streaming; send a request without stream")
             fields["logprobs"] = logprobs
         return {**fields, "priority": self.priority}
 
@@ -86,27 +104,33 @@ class CompletionRequest(_OpenAIRequest):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
+    def _supported_completion(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo: not supported")
         if self.suffix is not None:
             raise ValueError("suffix: not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: not supported (one completion per request)")
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise ValueError(
-                    f"prompt: one prompt per request, got {len(self.prompt)}; send one request each, or use the Batch API"
-                )
-            self.prompt = self.prompt[0]
         if not self.prompt:
             raise ValueError("prompt: must be non-empty")
+        if any(not prompt for prompt in self.prompts):
+            raise ValueError("prompt: every prompt must be non-empty")
         return self
 
-    def generate_request(self) -> GenerateRequest:
-        """The same request as POST /generate takes (OpenAI's default of 16 tokens)."""
-        prompt = {"prompt": self.prompt} if isinstance(self.prompt, str) else {"prompt_token_ids": self.prompt}
-        return GenerateRequest(**prompt, **self._sampling(16, self.logprobs))
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a string or a token-id list is one, a list of them several."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def generate_requests(self) -> list[GenerateRequest]:
+        """The same requests as POST /generate takes, one per prompt (OpenAI's default of 16 tokens)."""
+        sampling = self._sampling(16, self.logprobs)
+        return [
+            GenerateRequest(**({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}), **sampling)
+            for p in self.prompts
+        ]
 
 
 class TextPart(ValidInput):
@@ -135,6 +159,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: dict | None = None
     add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn.")
+    parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (No tools are served.)")
+    reasoning_effort: str | None = Field(None, description=_IGNORED + " (The served models do not reason.)")
 
     @model_validator(mode="after")
     def _supported_chat(self) -> ChatCompletionRequest:
@@ -148,9 +174,9 @@ class ChatCompletionRequest(_OpenAIRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
-    def generate_request(self, prompt_token_ids: list[int]) -> GenerateRequest:
+    def generate_requests(self, prompt_token_ids: list[int]) -> list[GenerateRequest]:
         """The same request as POST /generate takes, for the templated prompt (no default
         bound on tokens, as OpenAI's chat: up to the context length)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return GenerateRequest(prompt_token_ids=prompt_token_ids, **self._sampling(None, logprobs))
+        return [GenerateRequest(prompt_token_ids=prompt_token_ids, **self._sampling(None, logprobs))]
 

@@ -223,4 +223,3 @@ class StreamReader:
                         return
                 else:
                     return
-

@@ -1,6 +1,10 @@
 """Plain PyTorch paged attention and KV-store: the oracle every other implementation
 (kernels.torch_attention, the Triton kernels) is tested against. Same signatures.
 
+Sliding-window attention (Mistral, Qwen2's upper layers): with `sliding_window=W` the
+query at position p sees only keys at positions p - W + 1 .. p (Hugging Face's
+`kv_idx > q_idx - sliding_window`), one mask term beside the causal one. None: no window.
+
 An FP8 cache (float8_e4m3fn) holds value / scale, saturated to e4m3's range; readers
 multiply by the scale again. `k_scale` and `v_scale` are 1.0 for any other cache dtype.
 """
@@ -56,6 +60,7 @@ def paged_attention_reference(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each packed query block over its sequence's paged context.
 
@@ -71,11 +76,18 @@ def paged_attention_reference(
     decode_seqs = [s for s, n in enumerate(q_lens) if n == 1]
     kv = (key_cache, k_scale, value_cache, v_scale)
     if decode_seqs:
-        _decode(query, kv, block_tables, starts, lens, decode_seqs, scale, out)
+        _decode(query, kv, block_tables, starts, lens, decode_seqs, scale, out, sliding_window)
     for s, n in enumerate(q_lens):
         if n > 1:
-            _prefill(query, kv, block_tables[s], starts[s], n, lens[s], scale, out)
+            _prefill(query, kv, block_tables[s], starts[s], n, lens[s], scale, out, sliding_window)
     return out
+
+
+def outside_window(key_pos: torch.Tensor, query_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """True where a key is too far behind its query to be seen (broadcasts like `<`)."""
+    if sliding_window is None:
+        return torch.zeros(torch.broadcast_shapes(key_pos.shape, query_pos.shape), dtype=torch.bool, device=key_pos.device)
+    return key_pos <= query_pos - sliding_window
 
 
 def _gathered_context(cache: torch.Tensor, cache_scale: float, block_ids: torch.Tensor) -> torch.Tensor:
@@ -84,7 +96,7 @@ def _gathered_context(cache: torch.Tensor, cache_scale: float, block_ids: torch.
     return from_cache(gathered.flatten(-4, -3), torch.float32, cache_scale)
 
 
-def _decode(query, kv, block_tables, starts, lens, seqs, scale, out):
+def _decode(query, kv, block_tables, starts, lens, seqs, scale, out, sliding_window):
     key_cache, k_scale, value_cache, v_scale = kv
     block_size = key_cache.shape[1]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
@@ -97,14 +109,15 @@ def _decode(query, kv, block_tables, starts, lens, seqs, scale, out):
     v = _gathered_context(value_cache, v_scale, tables)
     q = query[rows].float().view(len(seqs), num_kv_heads, -1, head_dim)  # [S, KVH, G, D]
     scores = torch.einsum("skgd,sckd->skgc", q, k) * scale
-    beyond = torch.arange(k.shape[1], device=dev)[None, :] >= ctx[:, None]  # [S, C]
+    key_pos = torch.arange(k.shape[1], device=dev)[None, :]
+    beyond = (key_pos >= ctx[:, None]) | outside_window(key_pos, ctx[:, None] - 1, sliding_window)  # [S, C]
     scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # all-masked rows: zeros, not NaN
     o = torch.einsum("skgc,sckd->skgd", probs, v)
     out[rows] = o.reshape(len(seqs), -1, head_dim).to(out.dtype)
 
 
-def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out):
+def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out, sliding_window):
     key_cache, k_scale, value_cache, v_scale = kv
     block_size = key_cache.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -118,6 +131,7 @@ def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out):
     scores = torch.einsum("qhd,chd->hqc", q, k) * scale
     # Bottom-right causal alignment: the query block is the last q_len positions of the context.
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-    scores.masked_fill_(torch.arange(seq_len, device=query.device)[None, :] > q_pos, float("-inf"))
+    key_pos = torch.arange(seq_len, device=query.device)[None, :]
+    scores.masked_fill_((key_pos > q_pos) | outside_window(key_pos, q_pos, sliding_window), float("-inf"))
     o = torch.einsum("hqc,chd->qhd", scores.softmax(dim=-1), v)
     out[start : start + q_len] = o.to(out.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import from_cache
+from kernels.reference import from_cache, outside_window
 
 # A decode group is closed when padding it to its longest context would gather more than
 # this factor over what its sequences hold.
@@ -34,6 +34,7 @@ def paged_attention_torch(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query)
@@ -45,9 +46,9 @@ def paged_attention_torch(
         if end - begin == 1:
             decodes.append(s)
         elif end > begin:
-            _prefill(query, kv, block_tables[s], begin, end - begin, lens[s], scale, out)
+            _prefill(query, kv, block_tables[s], begin, end - begin, lens[s], scale, out, sliding_window)
     for group in _decode_groups(decodes, lens):
-        _decode(query, kv, block_tables, [starts[s] for s in group], [lens[s] for s in group], group, scale, out)
+        _decode(query, kv, block_tables, [starts[s] for s in group], [lens[s] for s in group], group, scale, out, sliding_window)
     return out
 
 
@@ -73,7 +74,7 @@ def _gather(cache: torch.Tensor, cache_scale: float, block_ids: torch.Tensor, dt
     return rows.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode(query, kv, block_tables, rows, ctx, seqs, scale, out):
+def _decode(query, kv, block_tables, rows, ctx, seqs, scale, out, sliding_window):
     key_cache, k_scale, value_cache, v_scale = kv
     dev, block_size = query.device, key_cache.shape[1]
     longest = max(ctx)
@@ -83,7 +84,8 @@ def _decode(query, kv, block_tables, rows, ctx, seqs, scale, out):
     tables = block_tables[torch.tensor(seqs, device=dev), : -(-longest // block_size)]
     k, v = _gather(key_cache, k_scale, tables, query.dtype), _gather(value_cache, v_scale, tables, query.dtype)
     lengths = torch.tensor(ctx, device=dev)
-    mask = torch.arange(k.shape[2], device=dev)[None, :] < lengths[:, None]  # [S, C]
+    key_pos = torch.arange(k.shape[2], device=dev)[None, :]
+    mask = (key_pos < lengths[:, None]) & ~outside_window(key_pos, lengths[:, None] - 1, sliding_window)  # [S, C]
     row_index = torch.tensor(rows, device=dev)
     q = query[row_index].unsqueeze(2)  # [S, H, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
@@ -91,18 +93,19 @@ def _decode(query, kv, block_tables, rows, ctx, seqs, scale, out):
     out[row_index] = o.to(out.dtype)
 
 
-def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out):
+def _prefill(query, kv, block_table, start, q_len, seq_len, scale, out, sliding_window):
     key_cache, k_scale, value_cache, v_scale = kv
     dev, block_size = query.device, key_cache.shape[1]
     table = block_table[None, : -(-seq_len // block_size)]
     k = _gather(key_cache, k_scale, table, query.dtype)[:, :, :seq_len]
     v = _gather(value_cache, v_scale, table, query.dtype)[:, :, :seq_len]
     q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-    if q_len == seq_len:
+    if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # The query block is the last q_len positions of the context (bottom-right causal).
         q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)[:, None]
-        mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos
+        key_pos = torch.arange(seq_len, device=dev)[None, :]
+        mask = (key_pos <= q_pos) & ~outside_window(key_pos, q_pos, sliding_window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)

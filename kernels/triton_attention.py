@@ -11,6 +11,8 @@ optional `num_splits`. The design (learned from vLLM's unified kernel and flash-
 - Query ``i`` of a sequence with ``q_len`` new tokens and ``seq_len`` total tokens sits at
   position ``seq_len - q_len + i`` and sees keys ``0..position`` (bottom-right causal
   alignment), which covers plain prefill, a chunk after a cached prefix, and decode.
+- Sliding window (SLIDING_WINDOW > 0): query position p also needs key >= p - W + 1, and
+  a program starts at the first key tile its earliest query can see.
 - Softmax runs online in float32 (base 2, with log2(e) folded into the scale).
 - Split-K (flash-decoding): with few programs and long contexts, each program covers one
   slice of the context and writes a normalised partial output plus its log-sum-exp in
@@ -82,6 +84,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -117,8 +120,13 @@ def _paged_attention_kernel(
     # Keys this program may need: up to its last query's position; then its split's share.
     kv_end = cached_len + tl.minimum(first_q + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
+    if SLIDING_WINDOW > 0:
+        # Tiles wholly behind the earliest query's window are skipped.
+        first_tile = tl.maximum(cached_len + first_q - SLIDING_WINDOW + 1, 0) // TILE_N
+    else:
+        first_tile = 0
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_begin = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -150,7 +158,10 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k) * qk_scale
         # Causality also hides every position >= seq_len, as no query sits beyond the context.
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        visible = pos[None, :] <= q_pos[:, None]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
 
         # A row may see no key in this tile (or in this whole split): keep its max at -inf
         # but subtract 0 instead, so its probabilities are exactly 0 rather than NaN.
@@ -250,7 +261,9 @@ def _default_num_splits(device: torch.device, programs: int, max_query_len: int,
     return 1 << (splits.bit_length() - 1)  # a power of two bounds the number of compiled variants
 
 
-def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out):
+def _check_inputs(
+    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out, sliding_window
+):
     _, _, num_kv_heads, head_dim = check_kv_cache(key_cache, value_cache)
     if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads != 0:
         raise ValueError(
@@ -277,6 +290,8 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
             raise ValueError(f"{name} is on {tensor.device} but the cache is on {key_cache.device}")
     if max_query_len < 0 or max_seq_len < 0:
         raise ValueError(f"max_query_len and max_seq_len must be >= 0, got {max_query_len} and {max_seq_len}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
 
 
 def paged_attention_triton(
@@ -294,8 +309,12 @@ def paged_attention_triton(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     num_splits: int | None = None,  # context slices per program; None chooses from the grid size
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out)
+    _check_inputs(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, max_query_len, max_seq_len, out,
+        sliding_window,
+    )
     check_launchable(_paged_attention_kernel, query.device)
     if out is None:
         out = torch.empty_like(query)
@@ -365,6 +384,7 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         FP32_DOT=fp32_dot,
         KV_FP8=kv_fp8,
+        SLIDING_WINDOW=sliding_window or 0,
         num_warps=4,
     )
     if num_splits > 1:

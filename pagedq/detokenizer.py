@@ -7,6 +7,13 @@ left neighbour, e.g. SentencePiece's leading space); the text the window gains p
 context's own text is new. The first window holds the prompt's last tokens, so the first
 output token is decoded in context too.
 
+A decoder may strip the first character of what it decodes (SentencePiece's Metaspace /
+Strip(" ", 1) removes the leading space of the text's first token). So the context must
+decode to some text: a context made only of tokens that decode to nothing (a skipped
+special token) would let the strip eat the next token's space. Tokens skipped by
+skip_special_tokens never enter the window (they decode to nothing in any position), and
+the window slides forward only to a context that decodes to text.
+
 Byte-level BPE can split one UTF-8 character across tokens; until the rest arrives the
 window's text ends in U+FFFD. Those trailing replacement characters are never shown, and
 the window slides forward only once its text ends cleanly, so that a later token can
@@ -19,6 +26,7 @@ from pagedq.sampling_params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token (vLLM uses 5 too).
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -26,18 +34,17 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
+        self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self._stop_strings = params.stop_strings
         self._include_stop_str = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         # Streamed text must never show a stop string's prefix that a later token turns
-        # into a stop string (and so cuts); this many trailing characters wait.
-        self._holdback = max((len(s) for s in self._stop_strings), default=1) - 1
+        # into a stop string (and so cuts); this many trailing characters wait. A stop
+        # string kept in the output is never cut, so then nothing waits (as in vLLM).
+        self._holdback = 0 if self._include_stop_str else max((len(s) for s in self._stop_strings), default=1) - 1
 
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        context_text = self._decode(context)
-        if context_text.endswith(_REPLACEMENT_CHAR):
-            # A prompt ending inside a character would lend the output its first bytes.
-            context, context_text = [], ""
+        prompt = [t for t in prompt_token_ids if t not in self._skipped_ids] if self._skipped_ids else prompt_token_ids
+        context, context_text = self._prompt_context(prompt)
         self._window = context
         self._num_context_tokens = len(context)
         self._context_text = context_text
@@ -53,18 +60,27 @@ class IncrementalDetokenizer:
             return self._text
         return self._text[: max(len(self._text) - self._holdback, 0)]
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Decode the new tokens; return the stop string that ended the text, if one did."""
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Decode the new tokens; return the stop string that ended the text, if one did.
+
+        `stop_terminated`: the last token is the eos or stop token that ends the
+        sequence. As in vLLM V1, its text is left out unless include_stop_str_in_output
+        (then a stop string may still end in it). Stop strings count only once more than
+        min_tokens tokens exist, and only where they end in text of the tokens after the
+        first min_tokens (vLLM V1's rule)."""
         if self._done:
             raise RuntimeError("update() after the detokenizer stopped or finished")
-        if not new_token_ids:
-            return None
-        self._window.extend(new_token_ids)
-        self._num_output_tokens += len(new_token_ids)
+        if stop_terminated and not self._include_stop_str:
+            new_token_ids = new_token_ids[:-1]
         searched_from = len(self._text)
-        self._append_window_text(final=False)
-        if self._num_output_tokens < self._min_tokens:
-            # vLLM ignores stop strings until min_tokens tokens exist.
+        for token_id in new_token_ids:
+            self._num_output_tokens += 1
+            if token_id not in self._skipped_ids:
+                self._window.append(token_id)
+                self._append_window_text(final=False)
+            if self._num_output_tokens <= self._min_tokens:
+                searched_from = len(self._text)
+        if self._num_output_tokens <= self._min_tokens:
             return None
         return self._cut_at_stop_string(searched_from)
 
@@ -74,6 +90,21 @@ class IncrementalDetokenizer:
         if not self._done:
             self._append_window_text(final=True)
             self._done = True
+
+    def _prompt_context(self, prompt: list[int]) -> tuple[list[int], str]:
+        """The prompt's last tokens that decode cleanly: at least _PROMPT_CONTEXT_TOKENS,
+        more if those start inside a character (as vLLM looks for a clean suffix of up to
+        24). Failing that, the last few, unless they end inside a character: a prompt
+        ending mid-character would lend the output its first bytes."""
+        shortest = min(_PROMPT_CONTEXT_TOKENS, len(prompt))
+        for length in range(shortest, min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            context = list(prompt[len(prompt) - length :])
+            text = self._decode(context)
+            if _REPLACEMENT_CHAR not in text:
+                return context, text
+        context = list(prompt[len(prompt) - shortest :])
+        text = self._decode(context)
+        return ([], "") if text.endswith(_REPLACEMENT_CHAR) else (context, text)
 
     def decode_token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -89,10 +120,15 @@ class IncrementalDetokenizer:
             self._text += complete[start:]
             self._window_emitted += len(complete) - start
         if len(complete) == len(window_text):
-            # The window ends on a whole character: its new tokens become the next context.
-            del self._window[: self._num_context_tokens]
+            # The window ends on a whole character: its new tokens become the next context,
+            # unless they decode to nothing (then the old context stays in front of them).
+            new_context_text = self._decode(self._window[self._num_context_tokens :])
+            if new_context_text:
+                del self._window[: self._num_context_tokens]
+                self._context_text = new_context_text
+            else:
+                self._context_text = window_text
             self._num_context_tokens = len(self._window)
-            self._context_text = self._decode(self._window)
             self._window_emitted = 0
 
     def _cut_at_stop_string(self, searched_from: int) -> str | None:
@@ -111,3 +147,11 @@ class IncrementalDetokenizer:
         self._text = self._text[: index + len(stop) if self._include_stop_str else index]
         self._done = True
         return stop
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The ids that decode(..., skip_special_tokens=True) drops: the special added tokens."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(token_id for token_id, token in decoder.items() if getattr(token, "special", False)) | frozenset(
+        getattr(tokenizer, "all_special_ids", ())
+    )

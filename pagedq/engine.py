@@ -278,12 +278,13 @@ class LLMEngine:
                 touched[request.request_id] = request
         if rows:
             sampled = self._sample(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
+            sampled_at = time.time()  # a token exists once its step's forward and sampling are done
             for seq, (token, logprob, top_logprobs) in sampled:
                 request = seq.request
                 if request.error is not None:
                     continue  # another of its sequences failed it in this loop
                 try:
-                    self._append(seq, token, logprob, top_logprobs, now)
+                    self._append(seq, token, logprob, top_logprobs, sampled_at)
                 except Exception as exc:
                     self._fail_request(request, f"processing its new token failed: {exc!r}", exc)
                     continue
@@ -483,26 +484,30 @@ class LLMEngine:
                 for token_id, entry in top_logprobs.items():
                     entry.decoded_token = seq.detokenizer.decode_token(token_id)
             seq.logprobs.append(top_logprobs)
-        stop_string = seq.detokenizer.update([token]) if seq.detokenizer is not None else None
-        reason = self._stop_reason(seq, token, stop_string)
+        reason = self._token_stop_reason(seq, token)
+        if seq.detokenizer is not None:
+            # A stop string found in the text ends the sequence even at its length limit.
+            stop_string = seq.detokenizer.update([token], stop_terminated=reason is not None and reason[0] == "stop")
+            if stop_string is not None:
+                reason = ("stop", stop_string)
         if reason is not None:
             self.scheduler.finish(seq)
             self._mark_finished(seq, *reason)
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_string: str | None):
+    def _token_stop_reason(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        """vLLM V1's check_stop, in its order: the length limits first (so a stop token
+        that is also the last allowed one finishes "length" and keeps its text), then eos
+        unless ignore_eos, then stop_token_ids (the sampler keeps both out before
+        min_tokens)."""
         params = seq.params
-        num_output = len(seq.output_token_ids)
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return ("stop", None)
-            if params.stop_token_ids and token in params.stop_token_ids:
-                return ("stop", token)
-            if stop_string is not None:
-                return ("stop", stop_string)
-        if params.max_tokens is not None and num_output >= params.max_tokens:
+        if (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
             return ("length", None)
-        if seq.num_tokens >= self.max_model_len:
-            return ("length", None)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return ("stop", None)
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return ("stop", token)
         return None
 
     @staticmethod

@@ -1,11 +1,15 @@
-"""Prometheus metrics: the one list of names, vLLM's with a `pagedq:` prefix.
+"""Prometheus metrics: the one list of names.
 
-The worker (`WorkerMetrics`, served on `PAGEDQ_METRICS_PORT`): the engine's gauges and
-counters (read from the `LLMEngine.stats()` snapshot the worker takes every step anyway),
-per-request latencies (from `RequestOutput.metrics`, the clock starting when the job was
-enqueued), queue depths (from the worker's per-step Redis round trip) and job outcomes.
-The worker's loop only bumps plain numbers: metric families are built when scraped, in
-the HTTP server's thread.
+The worker (`WorkerMetrics`, served on `PAGEDQ_METRICS_PORT`) exposes every metric of
+vLLM V1's Prometheus logger under vLLM's name, with its `model_name` and `engine` labels,
+so vLLM's Grafana dashboard works unchanged; the prefix is `pagedq:` or, with
+`PAGEDQ_METRICS_PREFIX=vllm`, vLLM's own `vllm:`. They are read from the engine's
+`LLMEngine.stats()` snapshot the worker takes every step anyway (gauges, counters, tokens
+per step) and from each finished request (`RequestOutput.metrics`, latencies counted from
+when the job was enqueued; its token counts and parameters). pagedq's own job metrics
+(queue depths, jobs finished / failed / requeued) keep the `pagedq:` prefix. The
+worker's loop only bumps plain numbers: metric families are built when scraped, in the
+HTTP server's thread.
 
 The api (`ApiMetrics`, GET /metrics): requests by route and status, jobs submitted,
 batches created, and queue depths read from Redis at scrape time.
@@ -24,9 +28,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from pagedq.outputs import RequestMetrics
+    from pagedq.outputs import RequestOutput
 
 PREFIX = "pagedq:"
+METRICS_PREFIXES = ("pagedq", "vllm")
 # vLLM's buckets.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -34,8 +39,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 HTTP_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's finished_reason label values of request_success_total.
+FINISH_REASONS = ("stop", "length", "abort")
 
 # Engine stats (LLMEngine.stats() keys) exposed as gauges / counters: name -> (help, key or keys summed).
 _ENGINE_GAUGES = {
@@ -54,14 +63,27 @@ _ENGINE_COUNTERS = {
 }
 
 
+def _1_2_5_buckets(largest: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to `largest`."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > largest:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent += 1
+
+
 class PlainHistogram:
     """Bucket counts and a sum as plain numbers: observing is a bisect and two additions,
     cheap enough to do for every generated token in the worker's loop."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], labels: dict[str, str] | None = None):
         self.name = name
         self.documentation = documentation
         self.bounds = buckets
+        self.labels = labels or {}
         self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
 
@@ -75,42 +97,123 @@ class PlainHistogram:
         for bound, count in zip([*map(str, self.bounds), "+Inf"], counts):
             running += count
             cumulative.append((bound, running))
-        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=total)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), cumulative, sum_value=total)
+        return family
 
 
 class WorkerMetrics(Collector):
-    def __init__(self, queue_names: list[str]):
+    def __init__(self, queue_names: list[str], model_name: str, max_model_len: int, cache_config: dict[str, str],
+                 prefix: str = "pagedq"):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
+        self.prefix = f"{prefix}:"
+        self.labels = {"model_name": model_name, "engine": "0"}
+        self.max_model_len = max_model_len
+        self.cache_config = cache_config
         self.engine_stats: dict[str, int | float] = {}
+        self._tokens_computed = 0
         self.queue_depth = dict.fromkeys(queue_names, 0)
         self.jobs_finished = 0
         self.jobs_failed = 0
         self.jobs_requeued = 0
-        self.time_to_first_token = PlainHistogram(
-            PREFIX + "time_to_first_token_seconds", "From enqueue to the first generated token.", TTFT_BUCKETS)
-        self.inter_token_latency = PlainHistogram(
-            PREFIX + "inter_token_latency_seconds", "Between two tokens of a request.", ITL_BUCKETS)
-        self.e2e_request_latency = PlainHistogram(
-            PREFIX + "e2e_request_latency_seconds", "From enqueue to the last token.", REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = PlainHistogram(
-            PREFIX + "request_queue_time_seconds", "From enqueue to the engine's first step of the request "
-            "(the Redis queue and the engine's waiting queue).", REQUEST_LATENCY_BUCKETS)
+        self.request_success = dict.fromkeys(FINISH_REASONS, 0)
+        token_buckets = _1_2_5_buckets(max_model_len)
+        histograms = {
+            "time_to_first_token_seconds": ("From enqueue to the first generated token.", TTFT_BUCKETS),
+            "inter_token_latency_seconds": ("Between two tokens of a request.", ITL_BUCKETS),
+            "time_per_output_token_seconds": ("A request's decode time per output token after the first "
+                                              "(vLLM's older name of request_time_per_output_token_seconds).", ITL_BUCKETS),
+            "request_time_per_output_token_seconds": ("A request's decode time per output token after the first.",
+                                                      ITL_BUCKETS),
+            "e2e_request_latency_seconds": ("From enqueue to the last token.", REQUEST_LATENCY_BUCKETS),
+            "request_queue_time_seconds": ("From enqueue to the engine's first step of the request "
+                                           "(the Redis queue and the engine's waiting queue).", REQUEST_LATENCY_BUCKETS),
+            "request_inference_time_seconds": ("From the engine's first step of the request to its last token.",
+                                               REQUEST_LATENCY_BUCKETS),
+            "request_prefill_time_seconds": ("From the engine's first step of the request to its first token.",
+                                             REQUEST_LATENCY_BUCKETS),
+            "request_decode_time_seconds": ("From a request's first token to its last.", REQUEST_LATENCY_BUCKETS),
+            "request_prompt_tokens": ("Prompt tokens of each finished request.", token_buckets),
+            "request_generation_tokens": ("Tokens generated for each finished request (all its n outputs).",
+                                          token_buckets),
+            "request_max_num_generation_tokens": ("The longest of a finished request's n outputs, in tokens.",
+                                                  token_buckets),
+            "request_params_n": ("The n of each finished request.", N_BUCKETS),
+            "request_params_max_tokens": ("The max_tokens of each finished request (none: what the context leaves).",
+                                          token_buckets),
+            "iteration_tokens_total": ("Tokens (prompt and generated) computed by each engine step.",
+                                       ITERATION_TOKEN_BUCKETS),
+        }
+        self.histograms = {name: PlainHistogram(self.prefix + name, documentation, buckets, self.labels)
+                           for name, (documentation, buckets) in histograms.items()}
+        # The two the worker's loop feeds directly.
+        self.inter_token_latency = self.histograms["inter_token_latency_seconds"]
 
-    def observe_finished(self, metrics: RequestMetrics, enqueued_at: float) -> None:
-        """A job finished: its latencies, measured from when it was enqueued."""
+    def observe_step(self, stats: dict[str, int | float]) -> None:
+        """The engine's stats after a step: the step's computed tokens go to iteration_tokens_total."""
+        computed = int(stats.get("tokens_computed", 0))
+        if computed > self._tokens_computed:
+            self.histograms["iteration_tokens_total"].observe(computed - self._tokens_computed)
+        self._tokens_computed = computed
+        self.engine_stats = stats
+
+    def observe_finished(self, output: RequestOutput, enqueued_at: float, n: int, max_tokens: int | None) -> None:
+        """A job finished: its latencies, measured from when it was enqueued, token counts and parameters."""
         self.jobs_finished += 1
-        if metrics.first_token_time is not None:
-            self.time_to_first_token.observe(max(0.0, metrics.first_token_time - enqueued_at))
-        if metrics.first_scheduled_time is not None:
-            self.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - enqueued_at))
-        if metrics.finished_time is not None:
-            self.e2e_request_latency.observe(max(0.0, metrics.finished_time - enqueued_at))
+        metrics, observe = output.metrics, self._observe
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if reason in self.request_success:
+            self.request_success[reason] += 1
+        first_token, scheduled, finished = metrics.first_token_time, metrics.first_scheduled_time, metrics.finished_time
+        if first_token is not None:
+            observe("time_to_first_token_seconds", first_token - enqueued_at)
+        if scheduled is not None:
+            observe("request_queue_time_seconds", scheduled - enqueued_at)
+        if finished is not None:
+            observe("e2e_request_latency_seconds", finished - enqueued_at)
+        if scheduled is not None and finished is not None:
+            observe("request_inference_time_seconds", finished - scheduled)
+        if scheduled is not None and first_token is not None:
+            observe("request_prefill_time_seconds", first_token - scheduled)
+        lengths = [len(completion.token_ids) for completion in output.outputs]
+        if first_token is not None and finished is not None:
+            observe("request_decode_time_seconds", finished - first_token)
+            if max(lengths, default=0) > 1:
+                per_token = (finished - first_token) / (max(lengths) - 1)
+                observe("time_per_output_token_seconds", per_token)
+                observe("request_time_per_output_token_seconds", per_token)
+        prompt_tokens = len(output.prompt_token_ids)
+        observe("request_prompt_tokens", prompt_tokens)
+        observe("request_generation_tokens", sum(lengths))
+        observe("request_max_num_generation_tokens", max(lengths, default=0))
+        observe("request_params_n", n)
+        observe("request_params_max_tokens", max_tokens if max_tokens is not None else self.max_model_len - prompt_tokens)
+
+    def _observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(max(0.0, value))
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine_stats
+        stats, names, values = self.engine_stats, list(self.labels), list(self.labels.values())
         for name, (documentation, keys) in _ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(PREFIX + name, documentation, value=sum(stats.get(key, 0) for key in keys))
+            family = GaugeMetricFamily(self.prefix + name, documentation, labels=names)
+            family.add_metric(values, sum(stats.get(key, 0) for key in keys))
+            yield family
         for name, (documentation, keys) in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, documentation, value=sum(stats.get(key, 0) for key in keys))
+            family = CounterMetricFamily(self.prefix + name, documentation, labels=names)
+            family.add_metric(values, sum(stats.get(key, 0) for key in keys))
+            yield family
+        success = CounterMetricFamily(self.prefix + "request_success", "Finished requests, by finish reason.",
+                                      labels=[*names, "finished_reason"])
+        for reason, count in self.request_success.items():
+            success.add_metric([*values, reason], count)
+        yield success
+        info = GaugeMetricFamily(self.prefix + "cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=list(self.cache_config))
+        info.add_metric(list(self.cache_config.values()), 1)
+        yield info
+        for histogram in list(self.histograms.values()):
+            yield histogram.family()
         yield _queue_depth_family(self.queue_depth)
         for name, documentation, value in (
             ("jobs_finished", "Jobs this worker finished.", self.jobs_finished),
@@ -119,9 +222,6 @@ class WorkerMetrics(Collector):
              "abandoned by a dead worker, or unfinished at shutdown.", self.jobs_requeued),
         ):
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
-        for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
-                          self.request_queue_time):
-            yield histogram.family()
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics from a daemon thread; returns the port (useful when `port` is 0)."""

@@ -86,7 +86,9 @@ class GenerateRequest(SamplingParams):
 
 
 # Sampling fields beam search has no use for: setting one alongside use_beam_search is an error.
-_SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {"max_tokens", "ignore_eos", "skip_special_tokens"}
+_SAMPLING_ONLY_FIELDS = set(SamplingParams.model_fields) - {
+    "max_tokens", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+}
 
 
 class JobPayload(ValidInput):

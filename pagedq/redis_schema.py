@@ -128,8 +128,9 @@ def api_wake_key(token: str) -> str:
 
 
 # Stream events (fields of one Redis stream entry, all strings).
-# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"}: output I's new text
-# (possibly empty: a token that ends mid-character) and its count of tokens generated so far.
+# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"[, "logprobs": JSON]}: output
+# I's new text (possibly empty: a token that ends mid-character) and its count of tokens
+# generated so far; with logprobs asked for, its new tokens as [[id, {id: logprob}], ...].
 EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # {"type": "reset", "attempt": "A"}: a retried attempt starts over: drop the text received so far
 EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
@@ -139,21 +140,28 @@ EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
 # as the step itself.
 # KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
 # the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
-# (index, text, num_tokens, new) per delta, then the serialized job.meta per job hash. A
-# stream's TTL is set by its first delta (new = 1) and kept by XADD. A meta is written only
-# if its job still exists: a write to a deleted job would recreate its hash.
+# (index, text, num_tokens, new, logprobs) per delta, then the serialized job.meta per job
+# hash. `logprobs` is "" unless the job asked for them: then the JSON list of the delta's
+# new tokens (the delta event's `logprobs` field). A stream's TTL is set by its first delta
+# (new = 1) and kept by XADD. A meta is written only if its job still exists: a write to a
+# deleted job would recreate its hash.
 PUBLISH_STEP_SCRIPT = f"""
 local ttl, deltas = ARGV[1], tonumber(ARGV[2])
 for i = 1, deltas do
-    local at = 4 * i - 1
-    redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    local at = 5 * i - 2
+    if ARGV[at + 4] == '' then
+        redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    else
+        redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
+                   'logprobs', ARGV[at + 4])
+    end
     if ARGV[at + 3] == '1' then
         redis.call('EXPIRE', KEYS[i], ttl)
     end
 end
 for i = deltas + 1, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[3 * deltas + i + 2])
+        redis.call('HSET', KEYS[i], 'meta', ARGV[4 * deltas + i + 2])
     end
 end
 return #KEYS
@@ -175,7 +183,7 @@ def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s:
 
 
 Entry = tuple[str, dict[str, str]]
-# (kind, data, entry id): `delta` {index, text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
+# (kind, data, entry id): `delta` {index, text, num_tokens[, logprobs]}, `reset` {attempt}, `end` {status, finish_reason}.
 Event = tuple[str, dict, str | None]
 
 
@@ -188,16 +196,20 @@ def read_events(batch: list[Entry]) -> list[Event]:
     output merge into one (the last one's id and count), so a client that fell behind
     catches up in one event instead of one per token."""
     events: list[Event] = []
-    text, last_delta = [], None
+    text, logprobs, last_delta = [], None, None
     for entry_id, fields in [*batch, ("", {})]:
         kind = fields.get("type")
         if last_delta is not None and (kind != EVENT_DELTA or fields.get("index") != last_delta[1].get("index")):
             delta_id, delta = last_delta
             data = {"index": int(delta.get("index", "0")), "text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}
+            if logprobs is not None:
+                data["logprobs"] = logprobs
             events.append(("delta", data, delta_id))
-            text, last_delta = [], None
+            text, logprobs, last_delta = [], None, None
         if kind == EVENT_DELTA:
             text.append(fields.get("text", ""))
+            if "logprobs" in fields:
+                logprobs = (logprobs or []) + json.loads(fields["logprobs"])
             last_delta = (entry_id, fields)
         elif kind == EVENT_RESET:
             events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
@@ -217,6 +229,10 @@ def file_meta_key(file_id: str) -> str:
 
 def file_content_key(file_id: str) -> str:
     return f"pagedq:file:{file_id}:content"
+
+
+# Every file id by creation time (GET /v1/files); ids whose metadata expired are pruned when listed.
+FILES_KEY = "pagedq:files"
 
 
 # Every batch id, scored by creation time (newest first in listings); the ones still running.

@@ -3,7 +3,9 @@
 Order of operations (as in vLLM): logprobs from the raw logits; then logits processors
 that change which token wins (min_tokens masking, repetition / frequency / presence
 penalties); greedy rows take the argmax there, so greedy equals Hugging Face's
-`generate`; sampled rows go on through temperature, top-k, top-p and min-p and draw by
+`generate`; sampled rows go on through temperature, min-p (on the tempered distribution,
+before truncation: vLLM V1 runs it as an argmax-invariant logits processor ahead of its
+top-k/top-p sampler), top-k and top-p, and draw by
 inverse CDF: one uniform number per row, looked up in the row's cumulative
 probabilities. A seeded row takes its number from its own generator, so it samples the
 same tokens alone or in any batch. (vLLM's exponential race needs a random number per
@@ -82,18 +84,16 @@ class Sampler:
     def _mask_stops_before_min_tokens(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> torch.Tensor:
-        """Until a row has min_tokens outputs, none of its stop tokens (eos too, unless
-        ignore_eos makes eos no stop) may be generated."""
+        """Until a row has min_tokens outputs, none of its stop tokens may be generated:
+        its stop_token_ids and eos, even with ignore_eos (vLLM V1 counts eos among every
+        request's `all_stop_token_ids`, which its min-tokens processor masks)."""
         row_index: list[int] = []
         token_index: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
             if len(row.output_token_ids) >= p.min_tokens:
                 continue
-            banned = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                banned |= self.eos_token_ids
-            banned = [t for t in banned if 0 <= t < self.vocab_size]
+            banned = [t for t in set(p.stop_token_ids or ()) | self.eos_token_ids if 0 <= t < self.vocab_size]
             row_index += [i] * len(banned)
             token_index += banned
         if not row_index:
@@ -119,12 +119,12 @@ class Sampler:
         params = [row.params for row in rows]
         device = logits.device
         logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         if any(p.effective_top_k > 0 for p in params):
             _apply_top_k(logits, torch.tensor([p.effective_top_k for p in params], device=device))
         if any(p.top_p < 1.0 for p in params):
             _apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        if any(p.min_p > 0.0 for p in params):
-            _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
         total = cdf[:, -1:]
         # The first token whose cumulative probability passes u * total. A masked token adds

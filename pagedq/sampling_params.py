@@ -36,6 +36,11 @@ class SamplingParams(ValidInput):
     logprobs: int | None = Field(None, ge=0, le=20)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(
+        True,
+        description="vLLM's field, accepted for compatibility: pagedq decodes with fast (tokenizers) tokenizers, "
+        "which put no spaces between special tokens either way, as vLLM's fast detokenizer does.",
+    )
 
     @field_validator("stop")
     @classmethod

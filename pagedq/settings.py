@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="The worker serves Prometheus /metrics on PAGEDQ_HOST at this port "
         "(None: off; 0: any free port, shown by GET /ready).",
+    )
+    metrics_prefix: Literal["pagedq", "vllm"] = Field(
+        "pagedq", description="Prefix of the worker's vLLM-named metrics: `pagedq:`, or vLLM's own `vllm:` "
+        "(for dashboards written against vLLM).",
     )
 
     @field_validator("api_keys", "admin_api_keys", mode="before")

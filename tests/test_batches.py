@@ -155,6 +155,10 @@ def test_openai_client_runs_a_batch_and_each_bad_line_fails_alone(service, oai, 
         # An ordinary job, in the batch queue, at the batch priority, not streamed.
         assert job.origin == BATCH_QUEUE and job.kwargs["priority"] == BATCH_PRIORITY and job.kwargs["stream"] is False
 
+    # The batch's usage sums its completed requests'.
+    assert batch.usage.output_tokens == 6 * 4 and batch.usage.total_tokens == batch.usage.input_tokens + 24
+    assert batch.usage.input_tokens == sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in output)
+
     errors = parse_lines(oai.files.content(batch.error_file_id).content)
     by_id = {line["custom_id"]: line for line in errors}
     assert [line["custom_id"] for line in errors] == [None, "wrong-url", "unknown-model", "best-of", "ok-0"]
@@ -251,7 +255,10 @@ def test_files_limits_idempotency_and_a_files_directory(service, model, tmp_path
             assert sorted(p.name for p in files_dir.iterdir()) == [first["id"]]  # nothing left behind
             wrong = http.post("/files", files={"file": ("a.jsonl", content)}, data={"purpose": "fine-tune"})
             assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "purpose"
+            listed = http.get("/files").json()
+            assert listed["object"] == "list" and first["id"] in [f["id"] for f in listed["data"]]
             assert http.delete(f"/files/{first['id']}").json()["deleted"] is True
+            assert first["id"] not in [f["id"] for f in http.get("/files").json()["data"]]
             assert http.get(f"/files/{first['id']}").status_code == 404
             assert not (files_dir / first["id"]).exists()
     finally:

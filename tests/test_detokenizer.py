@@ -4,7 +4,7 @@ import functools
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -228,3 +228,133 @@ def test_prompt_ending_inside_a_character_lends_the_output_nothing():
     stream(detok, output, [1])
     detok.finish()
     assert detok.output_text == tok.decode(output)
+
+
+@functools.cache
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama-2 / Mistral-v0.1 `tokenizer.json` layout: a BPE over "▁"-marked pieces with
+    byte fallback, and a decoder that strips the decoded text's first space."""
+    from tokenizers import normalizers
+
+    pieces = ["▁", "▁Hello", "▁world", "Hello", "world", "▁the", "the", "▁a", "a", "b", "▁b", "!", ",", ".",
+              "é", "▁é", "中", "▁中", "▁\n", "\n", "▁1", "1"]
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {token: index for index, token in enumerate(specials + byte_tokens + pieces)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_space_after_a_skipped_special_token_is_kept():
+    # The regression: after "</s>" the window held only that token, which decodes to ""
+    # when skipped, and the decoder's strip then ate "▁world"'s space.
+    tok = sentencepiece_tokenizer()
+    hello, world, eos = tok.convert_tokens_to_ids(["▁Hello", "▁world", "</s>"])
+    assert tok.decode([hello, eos, world], skip_special_tokens=True) == "Hello world"
+    detok = IncrementalDetokenizer(tok, [hello], SamplingParams())
+    stream(detok, [eos, world], [1])
+    assert detok.output_text == " world"
+
+
+def _byte_fallback_ids(char: str) -> list[int]:
+    return sentencepiece_tokenizer().convert_tokens_to_ids([f"<0x{b:02X}>" for b in char.encode()])
+
+
+# Pieces and specials, or a character spelled in byte-fallback tokens (whole, so that the
+# full decode never turns earlier bytes into U+FFFD after the fact).
+_piece_ids = [i for token, i in sentencepiece_tokenizer().get_vocab().items() if not token.startswith("<0x")]
+sentencepiece_ids = st.lists(
+    st.one_of(
+        st.sampled_from(_piece_ids).map(lambda i: [i]),
+        st.sampled_from(sentencepiece_tokenizer().all_special_ids).map(lambda i: [i]),
+        st.sampled_from(["é", "中", "🎉", "x"]).map(_byte_fallback_ids),
+    ),
+    max_size=12,
+).map(lambda units: [i for unit in units for i in unit])
+
+
+@hypothesis_settings
+@given(
+    prompt_ids=sentencepiece_ids,
+    output_ids=sentencepiece_ids,
+    chunk_sizes=chunkings,
+    skip_special_tokens=st.booleans(),
+)
+def test_sentencepiece_stream_equals_full_decode_in_the_prompts_context(
+    prompt_ids, output_ids, chunk_sizes, skip_special_tokens
+):
+    tok = sentencepiece_tokenizer()
+    prompt_text = tok.decode(prompt_ids, skip_special_tokens=skip_special_tokens)
+    full_text = tok.decode(prompt_ids + output_ids, skip_special_tokens=skip_special_tokens)
+    # A prompt ending inside a character lends the output its bytes (tested above).
+    assume(REPLACEMENT not in prompt_text and full_text.startswith(prompt_text))
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(skip_special_tokens=skip_special_tokens))
+    _, snapshots = stream(detok, output_ids, chunk_sizes)
+    detok.finish()
+    expected = full_text[len(prompt_text):]
+    assert detok.output_text == expected
+    assert_grows_by_appending(snapshots, expected)
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(include, skip_special_tokens):
+    """vLLM V1: a sequence ended by eos or a stop_token_ids token does not detokenize that
+    token unless include_stop_str_in_output (skip_special_tokens=False shows it then)."""
+    tok = byte_level_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    params = SamplingParams(include_stop_str_in_output=include, skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tok, [], params)
+    assert detok.update(tok.encode("ab")) is None
+    assert detok.update([eos], stop_terminated=True) is None
+    detok.finish()
+    assert detok.output_text == "ab" + (EOS if include and not skip_special_tokens else "")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_may_end_in_a_kept_stop_tokens_text(include):
+    """vLLM V1 looks for stop strings in the text this update decoded, the stop token's
+    own text included when include_stop_str_in_output keeps it."""
+    tok = byte_level_tokenizer()
+    eos = tok.convert_tokens_to_ids(EOS)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="endoftext", include_stop_str_in_output=include,
+                                                           skip_special_tokens=False))
+    assert detok.update(tok.encode("ab")) is None
+    assert detok.update([eos], stop_terminated=True) == ("endoftext" if include else None)
+    detok.finish()
+    assert detok.output_text == ("ab<|endoftext" if include else "ab")
+
+
+def test_stop_string_completed_by_the_min_tokens_th_token_does_not_count():
+    """vLLM V1 (PR 22014): stop strings are looked for only once more than min_tokens
+    tokens exist, and only where they end in text of the tokens after the first
+    min_tokens. A stop string made by exactly min_tokens tokens is text like any other."""
+    tok = byte_level_tokenizer()
+    ids = tok.encode("xx END yy END zz")
+    first_end = next(k for k in range(1, len(ids) + 1) if "END" in tok.decode(ids[:k]))
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="END", min_tokens=first_end))
+    assert stream(detok, ids, [1])[0] == "END"
+    assert detok.output_text == "xx END yy "
+    # Fed in one update, the same tokens give the same answer.
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop="END", min_tokens=first_end))
+    assert detok.update(ids) == "END"
+    assert detok.output_text == "xx END yy "
+
+
+@pytest.mark.parametrize("spaces_between_special_tokens", [True, False])
+def test_consecutive_special_tokens_show_as_their_content(spaces_between_special_tokens):
+    """vLLM's fast detokenizer with spaces_between_special_tokens=False shows a special
+    token that follows another as its raw content; with True (its default) it shows what
+    the tokenizer decodes. Fast tokenizers decode added tokens as their content with no
+    space between, so both settings give the same text, here and in vLLM."""
+    tok = sentencepiece_tokenizer()
+    hello, bos, eos, world = tok.convert_tokens_to_ids(["▁Hello", "<s>", "</s>", "▁world"])
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces_between_special_tokens)
+    detok = IncrementalDetokenizer(tok, [hello], params)
+    stream(detok, [bos, eos, eos, world], [1])
+    assert detok.output_text == "<s></s></s> world"

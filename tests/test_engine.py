@@ -261,6 +261,26 @@ def test_stop_token_ids_max_tokens_and_eos(llama):
     assert len(out.token_ids) > first + 1 and stop_token not in out.token_ids[: first + 2]
 
 
+def test_stop_token_text_follows_vllm_v1(llama):
+    """vLLM V1: the text of the eos / stop_token_ids token that ends a sequence is left
+    out unless include_stop_str_in_output; the length limit is checked first, so a stop
+    token that is also the max_tokens-th token ends with "length" and keeps its text."""
+    tokenizer = llama.get_tokenizer()
+    prompt = {"prompt_token_ids": [11, 12, 13]}
+    tokens = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    stop_token = tokens[6]
+    first = tokens.index(stop_token)
+    before, with_stop = tokenizer.decode(tokens[:first]), tokenizer.decode(tokens[: first + 1])
+    assert with_stop != before
+    for include, text in ((False, before), (True, with_stop)):
+        params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token], include_stop_str_in_output=include)
+        out = llama.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.token_ids, out.finish_reason) == (text, tokens[: first + 1], "stop")
+    capped = SamplingParams(temperature=0, max_tokens=first + 1, stop_token_ids=[stop_token])
+    out = llama.generate([prompt], capped, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (with_stop, "length", None)
+
+
 def test_eos_ends_generation_unless_ignored(llama):
     engine = llama.llm_engine
     # Make the tokenizer's eos one of the tokens greedy decoding is known to produce.
@@ -275,6 +295,8 @@ def test_eos_ends_generation_unless_ignored(llama):
         engine.eos_token_ids = engine.sampler.eos_token_ids = saved
     first = tokens.index(tokens[4])
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    # vLLM V1 leaves the eos token's text out (it would show with skip_special_tokens=False).
+    assert out.text == llama.get_tokenizer().decode(tokens[:first]) != llama.get_tokenizer().decode(tokens[: first + 1])
     assert ignored.token_ids == tokens
 
 

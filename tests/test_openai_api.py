@@ -165,12 +165,14 @@ def test_chat_uses_the_checkpoint_chat_template(service, client, model):
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "The model `nope` does not exist"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, None, "best_of: not supported"),
-        ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, 400, None, "one prompt per request, got 2"),
+        ("/v1/completions", {"model": "M", "prompt": ["a", ""]}, 400, None, "every prompt must be non-empty"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "suffixx": "x"}, 400, "suffixx", "Extra inputs"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal"),
         ("/v1/completions", {"model": "M", "prompt": "hi " * 400, "max_tokens": 900}, 400, "prompt", "context length"),
         ("/v1/completions", {"model": "M", "prompt": [1, 99999]}, 400, "prompt_token_ids", "[0, 512)"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "echo": True}, 400, None, "echo: not supported"),
-        ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 2, "stream": True}, 400, "logprobs", "streaming"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
+         "stream_options.usage", "Extra inputs"),
         ("/v1/completions", {"prompt": "hi"}, 400, "model", "Field required"),
         ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1"),
         ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
@@ -258,15 +260,23 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     def moved(name: str, labels: tuple = ()) -> float:
         return after[(name, labels)] - before[(name, labels)]
 
+    # vLLM's metrics carry vLLM's labels, so its Grafana dashboard can select the model.
+    vllm_labels = (("engine", "0"), ("model_name", model.name))
     assert moved("pagedq:jobs_finished_total") == 1 and moved("pagedq:jobs_failed_total") == 0
-    assert moved("pagedq:generation_tokens_total") == 7
-    assert moved("pagedq:prompt_tokens_total") > 0 and moved("pagedq:prefix_cache_queries_total") >= 0
-    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
-        assert moved(f"pagedq:{histogram}_seconds_count") == 1
-        assert moved(f"pagedq:{histogram}_seconds_sum") > 0
-    assert moved("pagedq:inter_token_latency_seconds_count") == 6  # 7 tokens, 6 gaps
+    assert moved("pagedq:generation_tokens_total", vllm_labels) == 7
+    assert moved("pagedq:prompt_tokens_total", vllm_labels) > 0
+    assert moved("pagedq:prefix_cache_queries_total", vllm_labels) >= 0
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                      "request_decode_time", "request_inference_time"):
+        assert moved(f"pagedq:{histogram}_seconds_count", vllm_labels) == 1
+        assert moved(f"pagedq:{histogram}_seconds_sum", vllm_labels) > 0
+    assert moved("pagedq:inter_token_latency_seconds_count", vllm_labels) == 6  # 7 tokens, 6 gaps
+    assert moved("pagedq:request_generation_tokens_sum", vllm_labels) == 7
+    assert moved("pagedq:request_params_max_tokens_sum", vllm_labels) == 7
+    assert moved("pagedq:request_success_total", tuple(sorted((*vllm_labels, ("finished_reason", "length"))))) == 1
+    assert moved("pagedq:iteration_tokens_total_sum", vllm_labels) >= 7
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
-        assert (f"pagedq:{gauge}", ()) in after
+        assert (f"pagedq:{gauge}", vllm_labels) in after
     assert {labels for name, labels in after if name == "pagedq:queue_depth"} == {
         (("queue", QUEUE),), (("queue", f"{QUEUE}.batch"),)}
     assert after[("pagedq:jobs_requeued_total", ())] == 0
@@ -276,3 +286,126 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     submitted = ("pagedq:jobs_submitted_total", (("queue", QUEUE),))
     assert api_after[submitted] - api_before.get(submitted, 0) == 1
     assert ("pagedq:queue_depth", (("queue", f"{QUEUE}.batch"),)) in api_after
+
+
+def sse_payloads(response: httpx.Response) -> list:
+    """The JSON payloads of an SSE response, up to `[DONE]` (which must end it)."""
+    import json
+
+    data = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def test_prompt_lists_give_choices_prompt_by_prompt_as_openai_does(service, client, model):
+    """OpenAI and vLLM accept a list of prompts (strings or token-id lists) in one
+    /v1/completions request: choice i * n + j is prompt i's j-th output; usage sums."""
+    api, _ = service
+    prompts = ["The quick brown fox", "A list of prompts", "Third one"]
+    sampling = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    expected = offline_greedy(model, [{"prompt": p, **sampling} for p in prompts])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [tokenizer.decode(ids) for ids in expected]
+
+    completion = client.completions.create(model=model.name, prompt=prompts, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in completion.choices] == [0, 1, 2] and [c.text for c in completion.choices] == texts
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 15)
+
+    by_ids = client.completions.create(model=model.name, prompt=[tokenizer.encode(p) for p in prompts[:2]], n=2,
+                                       max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert [(c.index, c.text) for c in by_ids.choices] == [(0, texts[0]), (1, texts[0]), (2, texts[1]), (3, texts[1])]
+
+    body = {"model": model.name, "prompt": prompts, "stream": True, **sampling}
+    chunks = sse_payloads(httpx.post(f"{api.url}/v1/completions", json=body, timeout=60))
+    for index, text in enumerate(texts):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert "".join(choice["text"] for choice in mine) == text and mine[-1]["finish_reason"] == "length"
+
+
+def test_streams_carry_usage_null_or_continuous_usage_as_vllm_does(service, model):
+    """vLLM: every chunk has a `usage` key, null unless stream_options asks for
+    continuous_usage_stats (with include_usage); then each chunk carries its choice's
+    prompt tokens and tokens so far, and a last chunk with no choices the total."""
+    api, _ = service
+    body = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    plain = sse_payloads(httpx.post(f"{api.url}/v1/chat/completions", json=body, timeout=60))
+    assert all("usage" in c and c["usage"] is None for c in plain)
+
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = sse_payloads(httpx.post(f"{api.url}/v1/chat/completions", json={**body, "stream_options": options}, timeout=60))
+    *choice_chunks, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    counts = [c["usage"]["completion_tokens"] for c in choice_chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens and c["usage"]["total_tokens"] == prompt_tokens
+               + c["usage"]["completion_tokens"] for c in choice_chunks)
+
+
+def test_openai_client_streams_chat_with_continuous_usage(client, model):
+    stream = client.chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_logprobs_equal_the_non_streamed_ones(client, model, endpoint):
+    common = dict(model=model.name, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    if endpoint == "completions":
+        whole = client.completions.create(prompt="Stream my logprobs", logprobs=2, **common).choices[0].logprobs
+        chunks = list(client.completions.create(prompt="Stream my logprobs", logprobs=2, stream=True, **common))
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert [t for p in parts for t in p.tokens] == whole.tokens
+        assert [lp for p in parts for lp in p.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-4)
+        assert [o for p in parts for o in p.text_offset] == whole.text_offset
+        streamed_top = [top for p in parts for top in p.top_logprobs]
+        assert [sorted(top) for top in streamed_top] == [sorted(top) for top in whole.top_logprobs]
+        assert [v for top in streamed_top for v in top.values()] == pytest.approx(
+            [v for top in whole.top_logprobs for v in top.values()], abs=1e-4)
+    else:
+        messages = [{"role": "user", "content": "Stream my logprobs"}]
+        whole = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **common)
+        chunks = list(client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, stream=True, **common))
+        steps = [s for c in chunks if c.choices and c.choices[0].logprobs for s in c.choices[0].logprobs.content]
+        assert [(s.token, round(s.logprob, 5), len(s.top_logprobs)) for s in steps] == [
+            (s.token, round(s.logprob, 5), 2) for s in whole.choices[0].logprobs.content]
+
+
+def test_harmless_openai_fields_are_ignored_and_vllm_fields_accepted(service, client, model):
+    ignored = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
+               "prompt_cache_key": "p"}
+    completion = client.completions.create(model=model.name, prompt="hi", max_tokens=2,
+                                           extra_body={**ignored, "spaces_between_special_tokens": False})
+    assert completion.usage.completion_tokens <= 2
+    chat = client.chat.completions.create(model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={**ignored, "parallel_tool_calls": False, "reasoning_effort": "low"})
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_files_list_with_the_openai_client(client):
+    uploaded = [client.files.create(file=(f"f{i}.jsonl", b"{}\n"), purpose="batch") for i in range(3)]
+    listed = [f.id for f in client.files.list()]
+    assert [f.id for f in reversed(uploaded)] == [i for i in listed if i in {f.id for f in uploaded}]
+    page = client.files.list(limit=2, order="asc", purpose="batch")
+    assert len(page.data) == 2 and page.has_more
+    # The client's auto-paging walks every page (limit + after).
+    assert [f.id for f in uploaded] == [f.id for f in client.files.list(limit=1, order="asc") if f.id in {u.id for u in uploaded}]
+    assert all(f.purpose == "batch" for f in client.files.list(purpose="batch"))
+
+
+def test_langchain_openai_batch_sends_a_prompt_list(service, model):
+    """langchain-openai's OpenAI(...).batch([...]) sends its prompts in one request."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    api, _ = service
+    llm = langchain_openai.OpenAI(model=model.name, base_url=f"{api.url}/v1", api_key="unused", max_tokens=4,
+                                  temperature=0, max_retries=0, batch_size=20)
+    prompts = ["one", "two", "three"]
+    answers = llm.batch(prompts)
+    expected = offline_greedy(model, [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in prompts])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert answers == [tokenizer.decode(ids) for ids in expected]

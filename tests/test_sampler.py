@@ -104,6 +104,16 @@ def test_truncation_samples_exactly_the_allowed_tokens(params, allowed):
     assert {i for i, c in enumerate(counts.tolist()) if c > 0} == allowed
 
 
+def test_min_p_applies_before_top_k_and_top_p():
+    """vLLM V1's order: temperature, then min-p (an argmax-invariant logits processor)
+    on the whole distribution, then top-k/top-p on what min-p left, renormalised. Here
+    min-p (threshold 0.2 * 0.3 = 0.06) drops the 25 tokens of 0.01; top_p=0.6 over the
+    renormalised 0.4 / 0.33 / 0.27 keeps two tokens. Top-p first would keep three."""
+    probs = [0.3, 0.25, 0.2] + [0.01] * 25
+    counts = draw_many(probs, SamplingParams(temperature=1.0, top_p=0.6, min_p=0.2))
+    assert {i for i, c in enumerate(counts.tolist()) if c > 0} == {0, 1}
+
+
 def test_top_k_renormalises_over_kept_tokens():
     counts = draw_many(PROBS, SamplingParams(top_k=2), draws=8000)
     assert abs(counts[0].item() / 8000 - 0.5 / 0.8) < 0.03
@@ -165,12 +175,13 @@ def test_unseeded_rows_differ_across_steps():
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_min_tokens_blocks_eos_and_stop_token_ids(ignore_eos):
+    """vLLM V1's rule: before min_tokens outputs, every id in the request's
+    all_stop_token_ids (its stop_token_ids and the model's eos, which is added whatever
+    ignore_eos says) is masked, so ignore_eos does not let eos through early."""
     logits = torch.tensor([[0.0, 1.0, 8.0, 9.0, 0.0]])  # eos (3) best, stop id 2 next
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2], ignore_eos=ignore_eos)
     sampler = make_sampler(5)
-    early = sampler(logits, [Row(params, output_token_ids=[0])]).token_ids[0]
-    # With ignore_eos, eos is no stop token, so nothing needs to hold it back.
-    assert early == (EOS if ignore_eos else 1)
+    assert sampler(logits, [Row(params, output_token_ids=[0])]).token_ids[0] == 1
     assert sampler(logits, [Row(params, output_token_ids=[0, 0])]).token_ids[0] == EOS
 
 

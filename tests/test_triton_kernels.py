@@ -116,6 +116,19 @@ def test_split_k_matches_single_pass(triton_backend: AttentionBackend) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 1), (5, 1), (32, 1), (32, 4), (100, 2)])
+def test_sliding_window_matches_reference(triton_backend: AttentionBackend, window: int, num_splits: int) -> None:
+    # Decodes before, at and past the window; a 20-token chunk after 50 cached tokens that
+    # straddles the window's edge (tiles wholly behind the earliest query are skipped); a
+    # prefill longer than the window; a 70-token prefill over 16-token blocks.
+    batch = make_batch([1, 1, 1, 20, 50, 70], [31, 32, 200, 70, 50, 70], block_size=16, seed=window)
+    want = paged_attention_reference(*batch.attention_args(), sliding_window=window)
+    poisoned = torch.full_like(batch.query, float("nan"))
+    got = triton_backend.paged_attention(*batch.attention_args(), out=poisoned, num_splits=num_splits, sliding_window=window)
+    torch.testing.assert_close(got, want, **TOLERANCE[batch.query.dtype])
+
+
+@needs_kernels
 def test_fp16_mixed_batch(triton_backend: AttentionBackend) -> None:
     batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS, num_kv_heads=2, group=2, dtype=torch.float16, seed=2)
     assert_matches_reference(triton_backend, batch)

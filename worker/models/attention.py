@@ -10,7 +10,10 @@ from kernels import AttentionBackend, AttentionMetadata
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
@@ -19,6 +22,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        # Keys more than this many positions behind a query are not attended (None: all are).
+        self.sliding_window = sliding_window
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim];
         # owned by the model runner and bound before the first forward.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -40,5 +45,6 @@ class PagedAttention(nn.Module):
         out = self.backend.paged_attention(
             q, key_cache, value_cache, md.block_tables, md.query_start_loc, md.seq_lens,
             self.scale, md.max_query_len, md.max_seq_len, k_scale=self.k_scale, v_scale=self.v_scale,
+            sliding_window=self.sliding_window,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

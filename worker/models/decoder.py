@@ -64,8 +64,24 @@ def _num_kv_heads(cfg) -> int:
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
+def layer_sliding_windows(cfg) -> list[int | None]:
+    """Each layer's attention window (None: full attention), as transformers reads the
+    config: Mistral's `sliding_window` covers every layer; Qwen2/Qwen3 window only with
+    `use_sliding_window`, and only layers from `max_window_layers` on (their `layer_types`
+    when the config lists them)."""
+    num_layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    first = getattr(cfg, "max_window_layers", None) or 0
+    return [window if i >= first else None for i in range(num_layers)]
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None):
         super().__init__()
         num_heads, num_kv_heads, head_dim = cfg.num_attention_heads, _num_kv_heads(cfg), _head_dim(cfg)
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -75,7 +91,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.qk_norm = flags.qk_norm
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, backend)
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, backend, sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens, a = x.shape[0], self.attn
@@ -103,10 +119,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, flags, backend)
+        self.self_attn = DecoderAttention(cfg, flags, backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, flags)
 
@@ -119,7 +135,7 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, backend, window) for window in layer_sliding_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from kernels import AttentionBackend
-from pagedq.model_info import ARCHITECTURE_BY_MODEL_TYPE, check_model_dir, context_length, load_hf_config
+from pagedq.model_info import ARCHITECTURE_BY_MODEL_TYPE, check_model_dir, load_hf_config
 from worker.models.base import CausalLM
 from worker.models.checkpoint import SafetensorsCheckpoint
 from worker.models.decoder import DECODER_FLAGS, DecoderLM
 from worker.models.gpt2 import GPT2LM
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*DECODER_FLAGS, "GPT2LMHeadModel")
 
@@ -37,15 +34,6 @@ def _build(architecture: str, hf_config, attention: AttentionBackend, tie_word_e
     return DecoderLM(hf_config, DECODER_FLAGS[architecture](hf_config), attention, tie_word_embeddings)
 
 
-def _warn_if_sliding_window(hf_config) -> None:
-    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-    if window and window < context_length(hf_config):
-        logger.warning(
-            "sliding-window attention (window %d) is not implemented: every layer attends to the full context, "
-            "so sequences longer than %d tokens differ from the reference model", window, window,
-        )
-
-
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention: AttentionBackend
 ) -> CausalLM:
@@ -55,7 +43,6 @@ def load_model(
     architecture = architecture_of(hf_config)
     checkpoint = SafetensorsCheckpoint(path)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) or "lm_head.weight" not in checkpoint.names
-    _warn_if_sliding_window(hf_config)
     # Built on the meta device so no time or memory goes into initialising weights that
     # the checkpoint overwrites; materialised uninitialised, then filled.
     with torch.device("meta"):

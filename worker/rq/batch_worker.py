@@ -160,7 +160,10 @@ class BatchWorker(BaseWorker):
         self.publisher = ProgressPublisher(connection, settings.stream_ttl_s, settings.progress_interval_s, settings.stream_interval_s)
         self.capacity = min(settings.max_inflight, settings.max_num_seqs)
         self.batch_capacity = max(1, self.capacity - settings.reserved_interactive_slots)
-        self.metrics = WorkerMetrics([queue.name for queue in self.queues])
+        self.metrics = WorkerMetrics(
+            [queue.name for queue in self.queues], settings.model_id, engine.max_model_len, _cache_config(engine),
+            settings.metrics_prefix,
+        )
         self.metrics_port: int | None = None
         # (queue name, job id) -> when the reaper first saw the id stranded in the queue's intermediate list.
         self._stranded_since: dict[tuple[str, str], float] = {}
@@ -490,7 +493,7 @@ class BatchWorker(BaseWorker):
             self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(error)))
         else:
             self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
-            self.metrics.observe_finished(entry.final.metrics, payload.enqueued_at)
+            self.metrics.observe_finished(entry.final, payload.enqueued_at, payload.sampling.n, payload.sampling.max_tokens)
         del self.inflight[entry.request_id]
         self.publisher.forget(job.id)
         if result is None:
@@ -530,7 +533,7 @@ class BatchWorker(BaseWorker):
     def _publish_engine_stats(self, pipeline) -> None:
         """The engine's block accounting in the worker's hash, for /ready (and tests).
         Sent with every step's round trip, so it is at most one step old; the metrics read it too."""
-        self.metrics.engine_stats = self.engine.stats()
+        self.metrics.observe_step(self.engine.stats())
         pipeline.hset(self.key, "engine_stats", json.dumps(self.metrics.engine_stats))
 
     def _requeue_inflight(self) -> None:
@@ -562,3 +565,14 @@ def run_worker(settings: Settings) -> None:
     connection = Redis.from_url(settings.require_redis_url())
     connection.ping()
     BatchWorker(build_engine(settings), settings, connection).work()
+
+
+def _cache_config(engine) -> dict[str, str]:
+    """The labels of cache_config_info (vLLM's names for what this engine's cache is)."""
+    args = engine.args
+    return {
+        "block_size": str(args.block_size), "cache_dtype": str(args.kv_cache_dtype),
+        "enable_prefix_caching": str(args.enable_prefix_caching),
+        "num_gpu_blocks": str(engine.block_manager.num_total_blocks),
+        "num_cpu_blocks": str(engine.runner.num_cpu_blocks), "swap_space": str(args.swap_space),
+    }

@@ -12,6 +12,7 @@ here, so the next one carries the text the failed one missed: a stream never ski
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,14 @@ class _Published:
     sent_tokens: list[int] = field(default_factory=list)
     next_progress_at: float = 0.0
     next_delta_at: float = 0.0
+
+
+def _logprobs_json(completion, sent_tokens: int) -> str:
+    """The new tokens' logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
+    if completion.logprobs is None:
+        return ""
+    new = zip(completion.token_ids[sent_tokens:], completion.logprobs[sent_tokens:])
+    return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
 
 
 def _pad(counts: list[int], length: int) -> list[int]:
@@ -98,7 +107,8 @@ class ProgressPublisher:
                     if len(completion.token_ids) > sent_tokens[index]:
                         state.next_delta_at = now + self.stream_interval_s
                         streams.append(stream_key(seq_id))
-                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started)]
+                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started),
+                                   _logprobs_json(completion, sent_tokens[index])]
                         started = True
             # Partial results are rewritten whole, so they are throttled; deltas never are.
             if now >= state.next_progress_at and not state.output.finished:
