@@ -320,7 +320,7 @@ def test_two_keys_cannot_touch_each_others_jobs_files_or_batches(service, model)
         assert http.get(f"/v1/files/{upload['id']}", headers=A).status_code == 200  # B's delete did nothing
         # GET /v1/files lists the caller's own files only (the admin's: everyone's).
         listed = {h["Authorization"]: {f["id"] for f in http.get("/v1/files", headers=h).json()["data"]} for h in (A, B, ADMIN)}
-        assert {upload["id"], done["output_file_id"]} <= listed[A["Authorization"]] < listed[ADMIN["Authorization"]]
+        assert {upload["id"], done["output_file_id"]} <= listed[A["Authorization"]] <= listed[ADMIN["Authorization"]]
         assert not listed[B["Authorization"]] & listed[A["Authorization"]]
 
         # Probes need a key here (PAGEDQ_PROBES_REQUIRE_KEY); liveness never does.
