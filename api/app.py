@@ -17,9 +17,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from redis import BlockingConnectionPool, Redis
-from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
-from redis.asyncio import Redis as AsyncRedis
+from redis import Redis
 from rq import worker_registration
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,6 +32,7 @@ from api.streaming import STREAM_ID_PATTERN, StreamReader
 from api.threads import blocking, blocking_limiter
 from pagedq.metrics import CONTENT_TYPE, ApiMetrics
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
+from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
 
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -90,8 +89,8 @@ def create_app(settings: Settings) -> FastAPI:
         # pool fails the 101st concurrent command ("Too many connections"), which a few
         # hundred open streams reach.
         pool = {"max_connections": settings.redis_max_connections, "timeout": settings.redis_pool_timeout_s}
-        redis = app.state.redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
-        app.state.aredis = AsyncRedis.from_pool(AsyncBlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
+        redis = app.state.redis = connect(redis_url, **pool, **_REDIS_TIMEOUTS)
+        app.state.aredis = connect_async(redis_url, **pool, **_REDIS_TIMEOUTS)
         store = app.state.store = JobStore(
             redis, settings, on_enqueued=lambda queue, count: metrics.jobs_submitted.labels(queue).inc(count)
         )

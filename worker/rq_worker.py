@@ -59,6 +59,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, batch_queue_name, cancels_key
+from pagedq.redis_connection import connect
 from pagedq.settings import Settings
 from worker.publisher import ProgressPublisher, publish_end
 
@@ -535,6 +536,6 @@ def run_worker(settings: Settings) -> None:
     """Entry point of `pagedq worker`."""
     from worker.engine_factory import build_engine
 
-    connection = Redis.from_url(settings.require_redis_url())
+    connection = connect(settings.require_redis_url())
     connection.ping()
     BatchWorker(build_engine(settings), settings, connection).work()

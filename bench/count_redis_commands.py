@@ -1,0 +1,88 @@
+"""Count the Redis commands the service spends per job.
+
+Starts its own Redis, api and one worker (pagedq.local_service) on MODEL, warms them up,
+then runs NUM_JOBS requests (all at once, fixed prompt and output lengths, clients that
+stream or that long-poll the result) while a MONITOR connection records every command
+Redis executes. Prints, per job: the commands clients sent (round trips are fewer: the
+service pipelines), the commands scripts ran inside Redis, and the top commands of each.
+
+    .venv/bin/python bench/count_redis_commands.py --model DIR [--num-jobs 256] [--output-len 64] [--no-stream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from pagedq.bench.serve import _run_load
+from pagedq.bench.workload import LengthRange, Workload
+from pagedq.local_service import LocalService
+from pagedq.redis_server import free_port
+from pagedq.settings import Settings
+
+
+def _monitor(url: str, counts: dict[str, collections.Counter], stop: threading.Event, ready: threading.Event) -> None:
+    connection = redis.Redis.from_url(url, socket_timeout=0.5)
+    with connection.monitor() as monitor:
+        ready.set()
+        while not stop.is_set():
+            try:
+                command = monitor.next_command()
+            except redis.exceptions.TimeoutError:
+                continue
+            except redis.exceptions.ConnectionError:
+                return
+            source = "script" if command.get("client_type") == "lua" else "client"
+            counts[source][command["command"].split(" ", 1)[0].strip('"').upper()] += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-jobs", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+
+    workload = Workload(
+        prompts=[[(7 * i + j) % 200 + 10 for j in range(args.input_len)] for i in range(args.num_jobs)],
+        output_lens=[args.output_len] * args.num_jobs, temperature=0.0, seed=0,
+        input_len=LengthRange(args.input_len, args.input_len), output_len=LengthRange(args.output_len, args.output_len),
+    )
+    with tempfile.TemporaryDirectory(prefix="pagedq-count-") as tmp, open(Path(tmp) / "service.log", "w") as log:
+        settings = Settings(model=args.model, device="cpu", port=free_port(), cache_dir=Path(tmp), redis_url=None,
+                            api_keys=[], max_queue_depth=args.num_jobs + 16)
+        with LocalService(settings, log=log) as service:
+            url = service.settings.base_url
+            asyncio.run(_run_load(url, None, workload.head(4, 4), None, None, args.stream))
+            time.sleep(1.0)  # the warm-up's last writes
+            counts = {"client": collections.Counter(), "script": collections.Counter()}
+            stop, ready = threading.Event(), threading.Event()
+            thread = threading.Thread(target=_monitor, args=(service.settings.redis_url, counts, stop, ready), daemon=True)
+            thread.start()
+            ready.wait()
+            started = time.perf_counter()
+            timings, _ = asyncio.run(_run_load(url, None, workload, None, None, args.stream))
+            elapsed = time.perf_counter() - started
+            stop.set()
+            thread.join()
+    done = sum(t.ok for t in timings)
+    print(f"{done}/{args.num_jobs} jobs ({args.input_len} in / {args.output_len} out, all at once, "
+          f"{'streaming' if args.stream else 'long-polling'} clients) in {elapsed:.1f}s")
+    for source in ("client", "script"):
+        total = sum(counts[source].values())
+        top = ", ".join(f"{name} {count / args.num_jobs:.1f}" for name, count in counts[source].most_common(12))
+        print(f"{source} commands per job: {total / args.num_jobs:.1f}   ({top})")
+    print(f"all commands per job: {sum(sum(c.values()) for c in counts.values()) / args.num_jobs:.1f}")
+
+
+if __name__ == "__main__":
+    main()
