@@ -28,16 +28,16 @@ from pagedq.redis_server import free_port
 from pagedq.settings import Settings
 
 
-def _monitor(url: str, counts: dict[str, collections.Counter], stop: threading.Event, ready: threading.Event) -> None:
-    connection = redis.Redis.from_url(url, socket_timeout=0.5)
-    with connection.monitor() as monitor:
+_STOP_MARKER = "pagedq-count-redis-commands-stop"
+
+
+def _monitor(url: str, counts: dict[str, collections.Counter], ready: threading.Event) -> None:
+    """Count what MONITOR shows until it shows our ECHO of _STOP_MARKER (a socket timeout would end MONITOR)."""
+    with redis.Redis.from_url(url).monitor() as monitor:
         ready.set()
-        while not stop.is_set():
-            try:
-                command = monitor.next_command()
-            except redis.exceptions.TimeoutError:
-                continue
-            except redis.exceptions.ConnectionError:
+        while True:
+            command = monitor.next_command()
+            if _STOP_MARKER in command["command"]:
                 return
             source = "script" if command.get("client_type") == "lua" else "client"
             counts[source][command["command"].split(" ", 1)[0].strip('"').upper()] += 1
@@ -65,14 +65,14 @@ def main() -> None:
             asyncio.run(_run_load(url, None, workload.head(4, 4), None, None, args.stream))
             time.sleep(1.0)  # the warm-up's last writes
             counts = {"client": collections.Counter(), "script": collections.Counter()}
-            stop, ready = threading.Event(), threading.Event()
-            thread = threading.Thread(target=_monitor, args=(service.settings.redis_url, counts, stop, ready), daemon=True)
+            ready = threading.Event()
+            thread = threading.Thread(target=_monitor, args=(service.settings.redis_url, counts, ready), daemon=True)
             thread.start()
             ready.wait()
             started = time.perf_counter()
             timings, _ = asyncio.run(_run_load(url, None, workload, None, None, args.stream))
             elapsed = time.perf_counter() - started
-            stop.set()
+            redis.Redis.from_url(service.settings.redis_url).echo(_STOP_MARKER)
             thread.join()
     done = sum(t.ok for t in timings)
     print(f"{done}/{args.num_jobs} jobs ({args.input_len} in / {args.output_len} out, all at once, "

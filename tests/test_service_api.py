@@ -14,7 +14,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pagedq.redis_server import RedisServer
+from pagedq.redis_server import RedisServer, free_port
 from tests.service_helpers import ApiServer, service_settings
 
 pytestmark = pytest.mark.slow
@@ -213,6 +213,34 @@ def test_queue_over_its_limit_gets_429_with_retry_after(model, redis_server, tmp
             assert full.headers["Retry-After"] == "7"
     finally:
         server.stop()
+
+
+def test_queue_depth_limit_is_exact_under_concurrent_submits(model, redis_server, tmp_path):
+    """The depth check and the enqueue are one atomic step: 400 submits at once, spread over
+    three api servers, against room for 100 accept exactly 100 (checking, then enqueueing,
+    let 101-103 in)."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="exact-queue", max_queue_depth=100)
+    servers = [ApiServer(settings.with_overrides(port=free_port())).start() for _ in range(3)]
+
+    async def submit_all() -> list[int]:
+        clients = [httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=400))
+                   for server in servers]
+        try:
+            responses = await asyncio.gather(
+                *(clients[i % 3].post("/generate", json={"prompt": f"p{i}"}) for i in range(400))
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        return [response.status_code for response in responses]
+
+    try:
+        statuses = asyncio.run(submit_all())
+        assert (statuses.count(202), statuses.count(429)) == (100, 300)
+        assert Queue("exact-queue", connection=Redis.from_url(redis_server.url)).count == 100
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_redis_going_away_gives_503_then_recovers(model, tmp_path):
