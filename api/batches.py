@@ -45,9 +45,11 @@ from rq.serializers import JSONSerializer
 from api.auth import authenticate
 from api.errors import ApiError, openai_error_body
 from api.files import FileConflict, FileStore
-from api.jobs import TERMINAL, JobStore, job_state
+from api.jobs import JobStore
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.threads import blocking
+from pagedq.protocol import JobPayload
+from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state
 from pagedq.settings import Settings
 
 log = logging.getLogger("pagedq.api")
@@ -57,8 +59,6 @@ ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizing", "
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _CHUNK_LINES = 256
 _LEASE_S = 60
-_ALL_KEY = "pagedq:batches"
-_ACTIVE_KEY = "pagedq:batches:active"
 # Deletes a lease only if it is still ours. KEYS: the lease. ARGV: our token.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -118,10 +118,6 @@ class BatchCreate(BaseModel):
     output_expires_after: dict | None = Field(None, description="Accepted; output files expire with PAGEDQ_FILES_TTL_S.")
 
 
-def _key(batch_id: str, part: str = "") -> str:
-    return f"pagedq:batch:{batch_id}{':' + part if part else ''}"
-
-
 def line_job_id(batch_id: str, index: int) -> str:
     return f"{batch_id}-{index}"
 
@@ -149,23 +145,23 @@ class BatchStore:
     # ---- records ------------------------------------------------------------------------
 
     def get(self, batch_id: str) -> BatchRecord | None:
-        raw = self.connection.get(_key(batch_id))
+        raw = self.connection.get(batch_key(batch_id))
         return BatchRecord.model_validate_json(raw) if raw else None
 
     def _save(self, record: BatchRecord, pipeline=None) -> None:
-        (pipeline or self.connection).set(_key(record.id), record.model_dump_json(), ex=self.settings.files_ttl_s)
+        (pipeline or self.connection).set(batch_key(record.id), record.model_dump_json(), ex=self.settings.files_ttl_s)
 
     def list(self, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
         """Newest first; `after`: the last id of the previous page."""
         start = 0
         if after is not None:
-            rank = self.connection.zrevrank(_ALL_KEY, after)
+            rank = self.connection.zrevrank(BATCHES_KEY, after)
             start = rank + 1 if rank is not None else 0
-        ids = [i.decode() for i in self.connection.zrevrange(_ALL_KEY, start, start + limit)]
+        ids = [i.decode() for i in self.connection.zrevrange(BATCHES_KEY, start, start + limit)]
         records = [self.get(batch_id) for batch_id in ids]
         gone = [batch_id for batch_id, record in zip(ids, records) if record is None]
         if gone:
-            self.connection.zrem(_ALL_KEY, *gone)  # expired
+            self.connection.zrem(BATCHES_KEY, *gone)  # expired
         present = [record for record in records if record is not None]
         return present[:limit], len(ids) > limit
 
@@ -194,10 +190,10 @@ class BatchStore:
             expires_at=now + COMPLETION_WINDOWS[body.completion_window], metadata=body.metadata,
             request_sha256=request_sha256,
         )
-        if self.connection.set(_key(batch_id), record.model_dump_json(), nx=True, ex=self.settings.files_ttl_s):
+        if self.connection.set(batch_key(batch_id), record.model_dump_json(), nx=True, ex=self.settings.files_ttl_s):
             with self.connection.pipeline() as pipeline:
-                pipeline.zadd(_ALL_KEY, {batch_id: time.time()})
-                pipeline.sadd(_ACTIVE_KEY, batch_id)
+                pipeline.zadd(BATCHES_KEY, {batch_id: time.time()})
+                pipeline.sadd(ACTIVE_BATCHES_KEY, batch_id)
                 pipeline.execute()
         else:
             existing = self.get(batch_id)
@@ -215,7 +211,7 @@ class BatchStore:
         if record.status not in ACTIVE:
             raise ApiError(409, f"batch {batch_id} is {record.status}; nothing to cancel", code="batch_not_active")
         # The flag reaches a replica busy with this batch (it looks between chunks and steps).
-        self.connection.set(_key(batch_id, "cancel"), "1", ex=self.settings.files_ttl_s)
+        self.connection.set(batch_key(batch_id, "cancel"), "1", ex=self.settings.files_ttl_s)
         with self._lease(batch_id, wait_s=5.0) as held:
             record = self.get(batch_id) or record
             if record.status in ("validating", "in_progress"):
@@ -232,7 +228,7 @@ class BatchStore:
 
     @contextmanager
     def _lease(self, batch_id: str, wait_s: float) -> Iterator[bool]:
-        key, token = _key(batch_id, "lease"), uuid.uuid4().hex
+        key, token = batch_key(batch_id, "lease"), uuid.uuid4().hex
         deadline = time.monotonic() + wait_s
         while not (held := bool(self.connection.set(key, token, nx=True, ex=_LEASE_S))) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -243,7 +239,7 @@ class BatchStore:
                 self.connection.eval(_RELEASE, 1, key, token)
 
     def _renew_lease(self, batch_id: str) -> None:
-        self.connection.expire(_key(batch_id, "lease"), _LEASE_S)
+        self.connection.expire(batch_key(batch_id, "lease"), _LEASE_S)
 
     def advance(self, batch_id: str, wait_s: float = 0.0) -> BatchRecord | None:
         """Take the batch as far as it can go now; the record as it then is (as stored, when
@@ -252,9 +248,9 @@ class BatchStore:
             record = self.get(batch_id)
             if not held or record is None or record.status not in ACTIVE:
                 if record is None or record.status not in ACTIVE:
-                    self.connection.srem(_ACTIVE_KEY, batch_id)
+                    self.connection.srem(ACTIVE_BATCHES_KEY, batch_id)
                 return record
-            cancel = bool(self.connection.exists(_key(batch_id, "cancel")))
+            cancel = bool(self.connection.exists(batch_key(batch_id, "cancel")))
             if cancel and record.status in ("validating", "in_progress"):
                 record.status, record.cancelling_at = "cancelling", int(time.time())
                 self._save(record)
@@ -273,7 +269,7 @@ class BatchStore:
                     self._finalize(record)
             self._save(record)
             if record.status not in ACTIVE:
-                self.connection.srem(_ACTIVE_KEY, batch_id)
+                self.connection.srem(ACTIVE_BATCHES_KEY, batch_id)
             return record
 
     def _fail(self, record: BatchRecord, code: str, message: str) -> None:
@@ -295,7 +291,7 @@ class BatchStore:
                 self._fail(record, "too_many_requests", f"the input file has {requests} requests, more than the limit "
                            f"of {self.settings.max_batch_requests} (PAGEDQ_MAX_BATCH_REQUESTS)")
                 return
-        seen = {json.loads(value) for value in self.connection.hvals(_key(record.id, "lines"))}
+        seen = {json.loads(value) for value in self.connection.hvals(batch_key(record.id, "lines"))}
         chunk: list[tuple[int, str | None, str | None, object]] = []
         for index, raw in enumerate(self.files.lines(record.input_file_id)):
             if index < record.lines_read:
@@ -307,7 +303,7 @@ class BatchStore:
             if len(chunk) >= _CHUNK_LINES:
                 self._commit(record, chunk, index + 1)
                 chunk = []
-                if self.connection.exists(_key(record.id, "cancel")):
+                if self.connection.exists(batch_key(record.id, "cancel")):
                     record.status, record.cancelling_at = "cancelling", int(time.time())
                     self._save(record)
                     return
@@ -358,14 +354,14 @@ class BatchStore:
         with self.connection.pipeline() as pipeline:
             pipeline.multi()
             for index, custom_id, error, payload in chunk:
-                pipeline.hset(_key(record.id, "lines"), str(index), json.dumps(custom_id))
+                pipeline.hset(batch_key(record.id, "lines"), str(index), json.dumps(custom_id))
                 if error is not None:
-                    pipeline.hset(_key(record.id, "errors"), str(index), error)
+                    pipeline.hset(batch_key(record.id, "errors"), str(index), error)
                 else:
                     self.jobs.enqueue_batch_line(pipeline, line_job_id(record.id, index), payload, result_ttl_s)
                     queued += 1
             for part in ("lines", "errors"):
-                pipeline.expire(_key(record.id, part), ttl)
+                pipeline.expire(batch_key(record.id, part), ttl)
             self._save(record, pipeline)
             pipeline.execute()
         self._renew_lease(record.id)
@@ -375,7 +371,7 @@ class BatchStore:
     def _refresh(self, record: BatchRecord) -> list[int]:
         """Record the outcomes of line jobs that ended since last time; update the counts;
         the lines still pending."""
-        lines_key, errors_key, outcomes_key = (_key(record.id, part) for part in ("lines", "errors", "outcomes"))
+        lines_key, errors_key, outcomes_key = (batch_key(record.id, part) for part in ("lines", "errors", "outcomes"))
         with self.connection.pipeline(transaction=False) as pipeline:
             pipeline.hkeys(lines_key)
             pipeline.hkeys(errors_key)
@@ -414,9 +410,9 @@ class BatchStore:
         record.status, record.finalizing_at = "finalizing", int(time.time())
         self._save(record)
         with self.connection.pipeline(transaction=False) as pipeline:
-            pipeline.hgetall(_key(record.id, "lines"))
-            pipeline.hgetall(_key(record.id, "errors"))
-            pipeline.hgetall(_key(record.id, "outcomes"))
+            pipeline.hgetall(batch_key(record.id, "lines"))
+            pipeline.hgetall(batch_key(record.id, "errors"))
+            pipeline.hgetall(batch_key(record.id, "outcomes"))
             lines, errors, outcomes = pipeline.execute()
         custom_ids = {int(i): json.loads(c) for i, c in lines.items()}
         errors = {int(i): e.decode() for i, e in errors.items()}
@@ -460,7 +456,7 @@ class BatchStore:
             if result is None:
                 expired.append(index)  # for the error file
                 continue
-            logprobs = job.kwargs["sampling"].get("logprobs")
+            logprobs = JobPayload.model_validate(job.kwargs).sampling.logprobs
             body = self.translator.response(record.endpoint, line_job_id(record.id, index), result, logprobs)
             yield _response_line(record.id, index, custom_ids.get(index), 200, body)
 
@@ -491,7 +487,7 @@ async def supervise(app: FastAPI) -> None:
     interval = app.state.settings.batch_poll_interval_s
 
     def advance_all() -> None:
-        for batch_id in store.connection.smembers(_ACTIVE_KEY):
+        for batch_id in store.connection.smembers(ACTIVE_BATCHES_KEY):
             store.advance(batch_id.decode())
 
     while True:

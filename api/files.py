@@ -26,6 +26,7 @@ from redis import Redis
 from api.auth import authenticate
 from api.errors import ApiError
 from api.threads import blocking
+from pagedq.redis_schema import file_content_key, file_meta_key
 from pagedq.settings import Settings
 
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9_-]{1,100}$")
@@ -74,14 +75,6 @@ class FileConflict(Exception):
     pass
 
 
-def _meta_key(file_id: str) -> str:
-    return f"pagedq:file:{file_id}"
-
-
-def _content_key(file_id: str) -> str:
-    return f"pagedq:file:{file_id}:content"
-
-
 class FileStore:
     def __init__(self, connection: Redis, settings: Settings):
         self.connection = connection
@@ -123,8 +116,8 @@ class FileStore:
     def _append(self, upload: str, chunk: bytes) -> None:
         if self.directory is None:
             with self.connection.pipeline(transaction=False) as pipeline:
-                pipeline.append(_content_key(upload), chunk)
-                pipeline.expire(_content_key(upload), 3600)  # an api that dies mid-upload leaves no litter
+                pipeline.append(file_content_key(upload), chunk)
+                pipeline.expire(file_content_key(upload), 3600)  # an api that dies mid-upload leaves no litter
                 pipeline.execute()
         else:
             with open(self.directory / f".{upload}", "ab") as out:
@@ -132,9 +125,9 @@ class FileStore:
 
     def _claim(self, upload: str, stored: StoredFile) -> bool:
         if self.directory is None:
-            keys = (_meta_key(stored.id), _content_key(stored.id), _content_key(upload))
+            keys = (file_meta_key(stored.id), file_content_key(stored.id), file_content_key(upload))
             return bool(self.connection.eval(_CLAIM, 3, *keys, stored.model_dump_json(), self.ttl_s))
-        if not self.connection.set(_meta_key(stored.id), stored.model_dump_json(), nx=True, ex=self.ttl_s):
+        if not self.connection.set(file_meta_key(stored.id), stored.model_dump_json(), nx=True, ex=self.ttl_s):
             return False
         aside = self.directory / f".{upload}"
         aside.touch()  # an empty file wrote no chunk
@@ -143,14 +136,14 @@ class FileStore:
 
     def _discard(self, upload: str) -> None:
         if self.directory is None:
-            self.connection.delete(_content_key(upload))
+            self.connection.delete(file_content_key(upload))
         else:
             (self.directory / f".{upload}").unlink(missing_ok=True)
 
     def get(self, file_id: str) -> StoredFile | None:
         if not FILE_ID_PATTERN.match(file_id):
             return None
-        raw = self.connection.get(_meta_key(file_id))
+        raw = self.connection.get(file_meta_key(file_id))
         return StoredFile.model_validate_json(raw) if raw else None
 
     def chunks(self, file_id: str) -> Iterator[bytes]:
@@ -161,7 +154,7 @@ class FileStore:
                     yield chunk
             return
         offset = 0
-        while chunk := self.connection.getrange(_content_key(file_id), offset, offset + _CHUNK_BYTES - 1):
+        while chunk := self.connection.getrange(file_content_key(file_id), offset, offset + _CHUNK_BYTES - 1):
             yield chunk
             offset += len(chunk)
 
@@ -177,7 +170,7 @@ class FileStore:
     def delete(self, file_id: str) -> bool:
         if self.get(file_id) is None:
             return False
-        self.connection.delete(_meta_key(file_id), _content_key(file_id))
+        self.connection.delete(file_meta_key(file_id), file_content_key(file_id))
         if self.directory is not None:
             (self.directory / file_id).unlink(missing_ok=True)
         return True

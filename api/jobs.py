@@ -1,6 +1,6 @@
 """The api's view of jobs in Redis: enqueue, read back as a ResultResponse, cancel.
 
-Two RQ queues: interactive requests, and batch lines (protocol.batch_queue_name), which
+Two RQ queues: interactive requests, and batch lines (redis_schema.batch_queue_name), which
 workers take only when the interactive queue is empty.
 
 Blocking redis-py/RQ calls: FastAPI runs these endpoints in its threadpool.
@@ -21,36 +21,19 @@ from rq.registry import CanceledJobRegistry
 from rq.scripts import _build_hset_args
 from rq.serializers import JSONSerializer
 
-from pagedq.protocol import (
+from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
+from pagedq.redis_schema import (
+    BODY_HASH_META_KEY,
     JOB_FUNCTION,
-    GenerateRequest,
-    GenerationResult,
-    JobPayload,
     JobState,
-    Progress,
-    PROGRESS_META_KEY,
-    ResultResponse,
-    Timings,
-    Usage,
     batch_queue_name,
     cancels_key,
+    job_state,
+    publish_end,
+    read_progress,
 )
 from pagedq.settings import Settings
-from worker.publisher import publish_end
 
-STATES: dict[str, JobState] = {
-    JobStatus.QUEUED: "queued",
-    JobStatus.DEFERRED: "queued",
-    JobStatus.SCHEDULED: "queued",
-    JobStatus.CREATED: "queued",
-    JobStatus.STARTED: "running",
-    JobStatus.FINISHED: "finished",
-    JobStatus.FAILED: "failed",
-    JobStatus.STOPPED: "failed",
-    JobStatus.CANCELED: "canceled",
-}
-TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "canceled"})
-_BODY_HASH_META_KEY = "request_sha256"
 # Cancels the given jobs that are still queued, and takes them out of their queue in one
 # pass over it (an LREM per job would scan a long batch queue once per job).
 # KEYS: the queue, its canceled registry, the job hashes. ARGV: the canceled status, the
@@ -115,12 +98,6 @@ class AlreadyFinished(Exception):
     pass
 
 
-def job_state(rq_status: str | bytes | None) -> JobState | None:
-    if rq_status is None:
-        return None
-    return STATES.get(rq_status.decode() if isinstance(rq_status, bytes) else rq_status, "queued")
-
-
 def idempotent_seq_id(idempotency_key: str, api_key: str) -> str:
     """The seq_id a key maps to; scoped by API key so two clients' keys never collide."""
     digest = hashlib.sha256(f"{api_key}\0{idempotency_key}".encode()).hexdigest()
@@ -170,7 +147,7 @@ class JobStore:
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, api_key) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
-            self.queue, seq_id, self.payload(request, prompt_token_ids, stream), {_BODY_HASH_META_KEY: body_hash},
+            self.queue, seq_id, self.payload(request, prompt_token_ids, stream), {BODY_HASH_META_KEY: body_hash},
             self.settings.result_ttl_s,
         )
         # What Queue.enqueue_job sets before saving (origin, enqueued_at, status queued).
@@ -195,12 +172,9 @@ class JobStore:
         job = self._fetch(seq_id)
         if job is None:  # expired between the two calls
             raise IdempotencyConflict("Idempotency-Key: the earlier job with this key just expired; retry")
-        if job.meta.get(_BODY_HASH_META_KEY) != body_hash:
+        if job.meta.get(BODY_HASH_META_KEY) != body_hash:
             raise IdempotencyConflict("Idempotency-Key: already used with a different request body")
         return job_state(job.get_status(refresh=False)) or "queued"
-
-    def exists(self, seq_id: str) -> bool:
-        return bool(self.connection.exists(Job.key_for(seq_id)))
 
     def snapshot(self, seq_id: str) -> ResultResponse | None:
         job = self._fetch(seq_id)
@@ -217,12 +191,12 @@ class JobStore:
                 seq_id=seq_id, status=state, text=result.text, token_ids=result.token_ids,
                 finish_reason=result.finish_reason, completions=result.completions, beams=result.beams, usage=result.usage, timings=result.timings,
             )
-        progress = Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
+        progress = read_progress(job)
         timings.first_token = progress.first_token
         usage = None
         if progress.attempt or state == "running":
             # A job just started may not have its first progress written yet: its payload knows the prompt.
-            prompt_tokens = progress.prompt_tokens or len(job.kwargs.get("prompt_token_ids") or [])
+            prompt_tokens = progress.prompt_tokens or len(JobPayload.model_validate(job.kwargs).prompt_token_ids)
             usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids))
         response = ResultResponse(
             seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings, usage=usage,

@@ -26,11 +26,12 @@ from pydantic import ValidationError
 
 from api.auth import authenticate
 from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
-from api.jobs import TERMINAL, AlreadyFinished, JobStore, QueueFull
+from api.jobs import AlreadyFinished, JobStore, QueueFull
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
-from pagedq.protocol import Completion, GenerateRequest, GenerationResult, JobState
+from pagedq.protocol import Completion, GenerateRequest, GenerationResult
+from pagedq.redis_schema import TERMINAL, JobState
 from pagedq.settings import Settings
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]

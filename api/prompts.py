@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from pagedq.model_info import context_length, load_hf_config, load_tokenizer
+from pagedq.model_info import PromptTooLong, check_prompt_fits, load_hf_config, load_tokenizer, resolve_max_model_len
 from pagedq.protocol import GenerateRequest
 from pagedq.settings import Settings
-
-
-class PromptTooLong(ValueError):
-    pass
 
 
 class PromptChecker:
@@ -19,7 +15,7 @@ class PromptChecker:
         hf_config = load_hf_config(model)
         self.tokenizer = load_tokenizer(model)
         self.vocab_size = int(hf_config.vocab_size)
-        self.max_model_len = settings.max_model_len or context_length(hf_config)
+        self.max_model_len = resolve_max_model_len(hf_config, settings.max_model_len)
         self.max_prompt_tokens = settings.max_prompt_tokens
         # Fast tokenizers are not safe to share across the threadpool's threads.
         self._lock = threading.Lock()
@@ -58,9 +54,4 @@ class PromptChecker:
     def _check_length(self, prompt_tokens: int, max_tokens: int | None) -> None:
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             raise PromptTooLong(f"prompt: {prompt_tokens} tokens, more than the limit of {self.max_prompt_tokens}")
-        needed = prompt_tokens + (max_tokens or 1)
-        if needed > self.max_model_len:
-            raise PromptTooLong(
-                f"prompt: {prompt_tokens} tokens + max_tokens {max_tokens or 1} = {needed}, "
-                f"more than the model's context length of {self.max_model_len}"
-            )
+        check_prompt_fits(prompt_tokens, max_tokens, self.max_model_len)

@@ -26,16 +26,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 
-from api.jobs import TERMINAL, job_state
-from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, JobState, stream_key
+from pagedq.redis_schema import TERMINAL, Entry, Event, JobState, api_wake_key, is_end, job_state, read_events, stream_key
 
 STREAM_ID_PATTERN = r"^\d+-\d+$"
 log = logging.getLogger("pagedq.api")
-
-Entry = tuple[str, dict[str, str]]
-# (kind, data, entry id): `delta` {index, text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
-Event = tuple[str, dict, str | None]
-
 
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
     head = f"id: {event_id}\n" if event_id else ""
@@ -59,7 +53,7 @@ class StreamHub:
         self.connection = connection
         self.block_ms = int(block_s * 1000)
         # XADDed to when a follower joins, so the blocked XREAD returns and takes it in.
-        self._wake_key = f"pagedq:api-wake:{uuid.uuid4().hex}"
+        self._wake_key = api_wake_key(uuid.uuid4().hex)
         self._followers: dict[str, set[_Follower]] = {}
         self._task: asyncio.Task | None = None
 
@@ -161,7 +155,7 @@ class StreamReader:
                     state = await self.state(seq_id)
                     terminal_seen = state is None or state in TERMINAL
                     continue
-                events = _events(batch)
+                events = read_events(batch)
                 yield events
                 if events and events[-1][0] == "end":
                     return
@@ -181,32 +175,8 @@ class StreamReader:
                     batch = await self._next(batches, min(self.poll_s, remaining))
                     if batch is None:
                         break
-                    if any(fields.get("type") == EVENT_END for _, fields in batch):
+                    if any(is_end(fields) for _, fields in batch):
                         return
                 else:
                     return
 
-
-def _events(batch: list[Entry]) -> list[Event]:
-    """The events of a batch of stream entries, up to an `end`. Consecutive deltas of one
-    output merge into one (the last one's id and count), so a client that fell behind
-    catches up in one event instead of one per token."""
-    events: list[Event] = []
-    text, last_delta = [], None
-    for entry_id, fields in [*batch, ("", {})]:
-        kind = fields.get("type")
-        if last_delta is not None and (kind != EVENT_DELTA or fields.get("index") != last_delta[1].get("index")):
-            delta_id, delta = last_delta
-            data = {"index": int(delta.get("index", "0")), "text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}
-            events.append(("delta", data, delta_id))
-            text, last_delta = [], None
-        if kind == EVENT_DELTA:
-            text.append(fields.get("text", ""))
-            last_delta = (entry_id, fields)
-        elif kind == EVENT_RESET:
-            events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
-        elif kind == EVENT_END:
-            end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}
-            events.append(("end", end, entry_id))
-            break
-    return events

@@ -93,9 +93,6 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(seq_id, ())]
 
-    def has_blocks(self, seq_id: str) -> bool:
-        return bool(self._tables.get(seq_id))
-
     def owners(self) -> dict[str, list[int]]:
         """Every sequence's device blocks (for invariant checks and tests)."""
         return {seq_id: self.block_table(seq_id) for seq_id in self._tables}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from scheduler import PREEMPTION_MODES, PreemptionMode
+
 
 @dataclass
 class EngineArgs:
@@ -31,7 +33,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # What a sequence preempted for lack of KV blocks does: recompute its KV later, or
     # move its blocks to `swap_space` GiB of CPU memory (falling back to recompute when full).
-    preemption_mode: str = "recompute"
+    preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
 
@@ -44,7 +46,7 @@ class EngineArgs:
             "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,
             "cpu_kv_cache_bytes": self.cpu_kv_cache_bytes > 0,
             "watermark": 0.0 <= self.watermark < 1.0,
-            "preemption_mode": self.preemption_mode in ("recompute", "swap"),
+            "preemption_mode": self.preemption_mode in PREEMPTION_MODES,
             "swap_space": self.swap_space >= 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
         }

@@ -20,14 +20,14 @@ import torch
 from blockmgr import BlockManager
 from pagedq.beam_search import BeamSearch, BeamSearchParams
 from pagedq.config import EngineArgs
-from pagedq.model_info import load_hf_config, load_tokenizer, resolve_max_model_len
+from pagedq.model_info import check_prompt_fits, load_hf_config, load_tokenizer, resolve_max_model_len
 from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from pagedq.sampling_params import SamplingParams
 from pagedq.sequence import Request, Sequence, SequenceStatus
 from scheduler import ScheduledSequence, Scheduler, SchedulerConfig
-from worker.detokenizer import IncrementalDetokenizer
+from pagedq.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner
-from worker.sampler import Sampler
+from pagedq.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +164,7 @@ class LLMEngine:
     def _check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt: must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
-            )
+        check_prompt_fits(len(token_ids), None, self.max_model_len)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")

@@ -24,26 +24,13 @@ class LLM:
     def __init__(
         self,
         model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        num_gpu_blocks_override: int | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        skip_tokenizer_init: bool = False,
         **engine_kwargs: Any,
     ):
+        """`engine_kwargs`: any of EngineArgs' fields (dtype, device, block_size, ...), with its defaults."""
         unknown = set(engine_kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
-        args = EngineArgs(
-            model=str(model), dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks_override=num_gpu_blocks_override,
-            max_model_len=max_model_len, seed=seed, skip_tokenizer_init=skip_tokenizer_init, **engine_kwargs,
-        )
+        args = EngineArgs(model=str(model), **engine_kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._request_counter = itertools.count()
 

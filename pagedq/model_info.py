@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The Hugging Face architecture of each model type pagedq runs (configs written without an
+# `architectures` list name only their model type).
+ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
 
 def check_model_dir(model: str | Path) -> Path:
     path = Path(model)
@@ -44,3 +54,21 @@ def resolve_max_model_len(hf_config, requested: int | None) -> int:
     if requested < 1 or requested > limit:
         raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {requested}")
     return requested
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """The one prompt-length rule, for the api and the engine: the prompt plus `max_tokens`
+    (at least one token) must fit in max_model_len. The engine passes max_tokens=None, as
+    vLLM's LLM does: a prompt that leaves room for one token runs, and stops at
+    max_model_len. The api passes the request's, as vLLM's OpenAI server does: a request
+    that could not run to its max_tokens is refused before it is queued."""
+    needed = prompt_tokens + (max_tokens or 1)
+    if needed > max_model_len:
+        raise PromptTooLong(
+            f"prompt: {prompt_tokens} tokens + max_tokens {max_tokens or 1} = {needed}, "
+            f"more than the model's context length of {max_model_len} (max_model_len)"
+        )

@@ -3,49 +3,30 @@
 - `GenerateRequest`: the body of POST /generate (SamplingParams' fields by vLLM's names,
   plus the prompt and a priority).
 - `JobPayload`: the kwargs of the RQ job (JSON, never pickle) that the api enqueues and
-  `worker.jobs.generate` / the batch worker read back.
+  `worker.jobs.generate` / the batch worker read back (and hand to the engine with `add_to`).
 - `GenerationResult`: the job's return value, identical whichever worker ran it.
-- `Progress`: the partial result a running job keeps in `job.meta["progress"]`.
 - `ResultResponse`: GET /result's body, built from the above.
-- Stream events: what goes into the per-job Redis stream that GET /stream relays.
+
+What lives in Redis (keys, job states, job.meta's progress, stream events) is pagedq.redis_schema's.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.beam_search import BeamSearchParams
-from pagedq.outputs import CompletionOutput, RequestOutput
+from pagedq.outputs import CompletionOutput, FinishReason, RequestOutput
+from pagedq.redis_schema import JobState
 from pagedq.sampling_params import SamplingParams
 
-# The RQ job function, by dotted path so the api never imports engine code.
-JOB_FUNCTION = "worker.jobs.generate"
+if TYPE_CHECKING:
+    from pagedq.engine import LLMEngine
+
 # RQ job ids (our seq_ids) must match this.
 SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-PROGRESS_META_KEY = "progress"
-
-JobState = Literal["queued", "running", "finished", "failed", "canceled"]
-FinishReason = Literal["stop", "length", "abort"]
-
-
-def stream_key(seq_id: str) -> str:
-    return f"pagedq:stream:{seq_id}"
-
-
-def batch_queue_name(queue_name: str) -> str:
-    """The RQ queue of batch requests (/v1/batches lines). Workers take from it only when
-    the interactive queue is empty, so a large batch never stands in front of a request."""
-    return f"{queue_name}.batch"
-
-
-def cancels_key(queue_name: str) -> str:
-    """A counter the api bumps on every cancel, so workers look for canceled jobs only
-    when it changes instead of reading every in-flight job's status every engine step."""
-    return f"pagedq:cancels:{queue_name}"
-
 
 class GenerateRequest(SamplingParams):
     """POST /generate. Inherits every sampling field (and strict, extra="forbid") from SamplingParams."""
@@ -109,6 +90,16 @@ class JobPayload(BaseModel):
     def engine_params(self) -> SamplingParams | BeamSearchParams:
         return self.beam if self.beam is not None else self.sampling
 
+    def add_to(self, engine: LLMEngine, request_id: str) -> None:
+        """Hand this job to the engine as request `request_id` (the one way a payload becomes an engine request)."""
+        engine.add_request(
+            request_id,
+            {"prompt_token_ids": self.prompt_token_ids},
+            self.engine_params,
+            arrival_time=self.enqueued_at,
+            priority=self.priority,
+        )
+
 
 class Usage(BaseModel):
     prompt_tokens: int
@@ -122,17 +113,6 @@ class Timings(BaseModel):
     started: float | None = None
     first_token: float | None = None
     finished: float | None = None
-
-
-class Progress(BaseModel):
-    """The partial result of a running job, kept in job.meta."""
-
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    prompt_tokens: int = 0
-    first_token: float | None = None
-    # 1 for the first run; a requeued job (its worker died) starts over with attempt 2, ...
-    attempt: int = 0
 
 
 class Completion(BaseModel):
@@ -239,11 +219,3 @@ class ErrorResponse(BaseModel):
 
     error: str
     message: str
-
-
-# Stream events (fields of one Redis stream entry, all strings).
-# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"}: output I's new text
-# (possibly empty: a token that ends mid-character) and its count of tokens generated so far.
-EVENT_DELTA = "delta"
-EVENT_RESET = "reset"  # a retried attempt starts over: drop the text received so far
-EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}

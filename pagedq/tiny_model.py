@@ -13,14 +13,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
-TINY_ARCHS = tuple(ARCHITECTURES)
+from pagedq.model_info import ARCHITECTURE_BY_MODEL_TYPE
+
+TINY_ARCHS = tuple(ARCHITECTURE_BY_MODEL_TYPE)
 DTYPES = ("float32", "bfloat16", "float16")
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
@@ -151,7 +146,7 @@ def make_tiny_model(
     if arch is not None and chosen is not None and arch != chosen.arch:
         raise ValueError(f"arch: preset {preset!r} is a {chosen.arch} model, got arch={arch!r}")
     arch = arch or (chosen.arch if chosen else "llama")
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURE_BY_MODEL_TYPE:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
     dtype = dtype or (chosen.dtype if chosen else "float32")
     if dtype not in DTYPES:
@@ -160,9 +155,9 @@ def make_tiny_model(
     kwargs = (chosen.shape if chosen else tiny_shape(arch)).config_kwargs(arch)
     kwargs.update(chosen.extra_config if chosen else TINY_INIT)
     kwargs.update(config_overrides)
-    model_class = getattr(transformers, ARCHITECTURES[arch])
+    model_class = getattr(transformers, ARCHITECTURE_BY_MODEL_TYPE[arch])
     config = model_class.config_class(
-        **kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=[ARCHITECTURES[arch]]
+        **kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=[ARCHITECTURE_BY_MODEL_TYPE[arch]]
     )
     if config.vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} for a byte-level tokenizer, got {config.vocab_size}")

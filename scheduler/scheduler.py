@@ -63,10 +63,6 @@ class SchedulerOutput:
     swap_in: BlockCopies = field(default_factory=list)  # (CPU block, device block)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 

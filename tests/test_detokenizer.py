@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pagedq.sampling_params import SamplingParams
-from worker.detokenizer import IncrementalDetokenizer
+from pagedq.detokenizer import IncrementalDetokenizer
 
 EOS = "<|endoftext|>"
 CORPUS = [

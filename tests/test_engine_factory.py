@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedq.settings import Settings
-from worker.engine_factory import build_engine
+from worker.rq.engine_factory import build_engine
 
 
 def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedq.sampling_params import SamplingParams
-from worker.sampler import Sampler, _apply_penalties
+from pagedq.sampler import Sampler, _apply_penalties
 
 EOS = 3
 

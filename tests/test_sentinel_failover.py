@@ -17,7 +17,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.client import Client, ClientError
-from pagedq.protocol import PROGRESS_META_KEY
+from pagedq.redis_schema import PROGRESS_META_KEY
 from pagedq.redis_connection import SentinelTarget, connect
 from pagedq.redis_server import RedisServer, find_redis_server, free_port
 from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until

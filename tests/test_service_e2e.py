@@ -272,7 +272,7 @@ def test_rq_stop_job_command_reaches_the_right_job(service, client):
     wait_until(lambda: all(client.result(s)["status"] == "running" for s in (stopped_id, other_id)), 30, "both running")
     send_stop_job_command(redis, stopped_id, serializer=JSONSerializer)
     stopped = client.wait(stopped_id)
-    assert stopped["status"] == "failed" and stopped["error"] == "worker.rq_worker.JobStopped: stopped by request"
+    assert stopped["status"] == "failed" and stopped["error"] == "worker.rq.batch_worker.JobStopped: stopped by request"
     assert fetch(redis, stopped_id).get_status() == "stopped"
     assert client.wait(other_id)["status"] == "finished"
 

@@ -67,10 +67,10 @@ def test_dtype_and_config_overrides(tmp_path):
 def test_presets_have_the_real_shapes(preset, arch, params_millions):
     import transformers
 
-    from pagedq.tiny_model import ARCHITECTURES
+    from pagedq.model_info import ARCHITECTURE_BY_MODEL_TYPE
 
     spec = PRESETS[preset]
-    model_class = getattr(transformers, ARCHITECTURES[arch])
+    model_class = getattr(transformers, ARCHITECTURE_BY_MODEL_TYPE[arch])
     config = model_class.config_class(**spec.shape.config_kwargs(arch), **spec.extra_config)
     with torch.device("meta"):
         model = model_class(config)

@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedq.bench.pagedq_peer import PagedqPeer
     from pagedq.bench.peer import measure
     from pagedq.bench.report import device_description, model_description, versions, write_json
-    from worker.engine_factory import torch_threads
+    from worker.rq.engine_factory import torch_threads
 
     hf_config, device, dtype, workload = resolve_model_and_workload(args)
     load = (f"concurrency {args.concurrency}" if args.concurrency
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"served by {served_by}", flush=True)
     offline = None
     if args.offline:
-        # The worker's thread count (see worker.engine_factory), so the ratio isolates the HTTP + Redis path.
+        # The worker's thread count (see worker.rq.engine_factory), so the ratio isolates the HTTP + Redis path.
         threads = torch_threads(_own_service_settings(args, workload, Path()), device)
         if threads is not None:
             torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pagedq.cli import CommandError
-from pagedq.commands.service import client_flags, connect
+from pagedq.commands.service import SAMPLING_FIELDS, client_flags, connect, given_fields, sampling_flags
 
 _ENDPOINTS = {False: "/v1/completions", True: "/v1/chat/completions"}
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -35,11 +35,7 @@ def register(subparsers) -> None:
     submit.add_argument("--template", help=r"prompt template with {text} (the document) and \n, \t escapes")
     submit.add_argument("--chat", action="store_true", help="send each prompt as a user message to /v1/chat/completions")
     submit.add_argument("--model", help="the model's id (default: the one the server serves)")
-    submit.add_argument("--max-tokens", type=int)
-    submit.add_argument("--temperature", type=float)
-    submit.add_argument("--top-p", type=float)
-    submit.add_argument("--seed", type=int)
-    submit.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sampling_flags(submit)
     submit.add_argument("--endpoint", help="a JSONL file's endpoint (default: the first line's url)")
     submit.add_argument("--dry-run", action="store_true", help="print the batch's JSONL instead of submitting it")
     submit.set_defaults(handler=cmd_submit)
@@ -70,12 +66,6 @@ def register(subparsers) -> None:
 
 def _unescape(template: str) -> str:
     return re.sub(r"\\([nt\\])", lambda match: _ESCAPES[match.group(1)], template)
-
-
-def _sampling(args: argparse.Namespace) -> dict:
-    fields = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed, "stop": args.stop}
-    return {name: value for name, value in fields.items() if value is not None}
 
 
 def read_documents(paths: list[str]) -> dict[str, str]:
@@ -120,7 +110,7 @@ def _jsonl_endpoint(content: bytes) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    sampling = _sampling(args)
+    sampling = given_fields(args, SAMPLING_FIELDS)
     # Everything that can be checked here is, before anything is sent.
     if args.template is not None:
         template = _unescape(args.template)

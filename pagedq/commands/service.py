@@ -42,12 +42,8 @@ def register(subparsers) -> None:
     mode = submit.add_mutually_exclusive_group()
     mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
     mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    submit.add_argument("--max-tokens", type=int)
-    submit.add_argument("--temperature", type=float)
-    submit.add_argument("--top-p", type=float)
+    sampling_flags(submit)
     submit.add_argument("--top-k", type=int)
-    submit.add_argument("--seed", type=int)
-    submit.add_argument("--stop", action="append", help="stop string (repeatable)")
     submit.add_argument("--priority", type=int)
     submit.add_argument("--idempotency-key")
     submit.add_argument("--json", action="store_true", help="print the full JSON result")
@@ -82,6 +78,23 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (PAGEDQ_ENFORCE_EAGER)")
 
 
+def sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags `pagedq submit` and `pagedq batch submit` share (SamplingParams' names)."""
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def given_fields(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The named flags the user gave (left out: the server's defaults apply)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+
+
 def client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="api base URL (PAGEDQ_URL, default http://127.0.0.1:8000)")
     parser.add_argument("--api-key", help="bearer key (PAGEDQ_API_KEY)")
@@ -114,7 +127,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import redis
 
-    from worker.rq_worker import run_worker
+    from worker.rq.batch_worker import run_worker
 
     settings = _settings(args)
     try:
@@ -177,14 +190,7 @@ def connect(args: argparse.Namespace) -> Iterator[Client]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    sampling = {
-        name: value
-        for name, value in {
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "priority": args.priority,
-        }.items()
-        if value is not None
-    }
+    sampling = given_fields(args, (*SAMPLING_FIELDS, "top_k", "priority"))
     with connect(args) as client:
         seq_id = client.submit(args.prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
         if args.stream:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kernels import AttentionBackend
-from pagedq.model_info import check_model_dir, context_length, load_hf_config
+from pagedq.model_info import ARCHITECTURE_BY_MODEL_TYPE, check_model_dir, context_length, load_hf_config
 from worker.models.base import CausalLM
 from worker.models.checkpoint import SafetensorsCheckpoint
 from worker.models.decoder import DECODER_FLAGS, DecoderLM
@@ -18,20 +18,10 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*DECODER_FLAGS, "GPT2LMHeadModel")
 
-# For configs written without an `architectures` list.
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-}
-
-
 def architecture_of(hf_config) -> str:
     names = list(getattr(hf_config, "architectures", None) or [])
-    if not names and getattr(hf_config, "model_type", None) in _ARCHITECTURE_BY_MODEL_TYPE:
-        names = [_ARCHITECTURE_BY_MODEL_TYPE[hf_config.model_type]]
+    if not names and getattr(hf_config, "model_type", None) in ARCHITECTURE_BY_MODEL_TYPE:
+        names = [ARCHITECTURE_BY_MODEL_TYPE[hf_config.model_type]]
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name

@@ -14,7 +14,7 @@ replaces the work loop. One tick:
    the engine stats to the worker's hash, the api's cancel counter comes back, and so do
    up to the free capacity of new job ids (taken only while the engine has no backlog,
    so queued jobs stay in Redis for other workers): from the interactive queue first, then
-   from the batch queue (protocol.batch_queue_name), whose jobs never fill the slots
+   from the batch queue (redis_schema.batch_queue_name), whose jobs never fill the slots
    reserved for interactive ones (`reserved_interactive_slots`). Jobs no longer ours (canceled,
    deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
    at once; a job named by RQ's stop-job command fails as STOPPED;
@@ -58,17 +58,18 @@ from rq.utils import as_text
 from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
-from pagedq.protocol import JOB_FUNCTION, GenerationResult, JobPayload, batch_queue_name, cancels_key
+from pagedq.protocol import GenerationResult, JobPayload
 from pagedq.redis_connection import connect
+from pagedq.redis_schema import JOB_FUNCTION, batch_queue_name, cancels_key, publish_end
 from pagedq.settings import Settings
-from worker.publisher import ProgressPublisher, publish_end
+from worker.rq.publisher import ProgressPublisher
 
 if TYPE_CHECKING:
     from pagedq.engine import LLMEngine
     from pagedq.outputs import RequestOutput
 
 # One round trip per tick for what the worker must learn from Redis:
-# 1. the api's cancel counter (see protocol.cancels_key);
+# 1. the api's cancel counter (see redis_schema.cancels_key);
 # 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
 #    requeued), run by another worker, or this execution gone from its queue's started
 #    registry (reaped after a stall); their positions, 1-based;
@@ -397,13 +398,7 @@ class BatchWorker(BaseWorker):
             if job.func_name != JOB_FUNCTION:
                 raise ValueError(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
             payload = JobPayload.model_validate(job.kwargs)
-            self.engine.add_request(
-                execution.id,
-                {"prompt_token_ids": payload.prompt_token_ids},
-                payload.engine_params,
-                arrival_time=payload.enqueued_at,
-                priority=payload.priority,
-            )
+            payload.add_to(self.engine, execution.id)
         except Exception:
             job.retries_left = 0  # bad input fails the same way on every attempt
             self._finalize_failure(job, queue, execution, sys.exc_info())
@@ -534,7 +529,7 @@ class BatchWorker(BaseWorker):
 
 def run_worker(settings: Settings) -> None:
     """Entry point of `pagedq worker`."""
-    from worker.engine_factory import build_engine
+    from worker.rq.engine_factory import build_engine
 
     connection = connect(settings.require_redis_url())
     connection.ping()

@@ -4,7 +4,7 @@ After a job's first token, its deltas go out at most every `stream_interval_s` (
 engine step), batching tokens into fewer events when relaying them is what costs.
 
 `update()` only records an engine output; `publish()` queues everything recorded since
-the last send into a caller's pipeline as one script call, whatever the number of jobs
+the last send into a caller's pipeline as one script call (redis_schema.PUBLISH_STEP_SCRIPT), whatever the number of jobs
 (the batch worker sends it with its own per-step call: one round trip per engine step),
 and `published()` marks it sent. A pipeline that fails (Redis away) changes nothing
 here, so the next one carries the text the failed one missed: a stream never skips text.
@@ -20,56 +20,7 @@ from redis.client import Pipeline
 from rq.job import Job
 
 from pagedq.outputs import RequestOutput
-from pagedq.protocol import EVENT_DELTA, EVENT_END, EVENT_RESET, PROGRESS_META_KEY, JobState, Progress, stream_key
-
-# One round trip for a whole engine step, whatever the number of jobs: on a small model
-# the worker's Redis traffic would otherwise cost as much as the step itself.
-# KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
-# the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
-# (index, text, num_tokens, new) per delta, then the serialized job.meta per job hash. A
-# stream's TTL is set by its first delta (new = 1) and kept by XADD. A meta is written only
-# if its job still exists: a write to a deleted job would recreate its hash.
-_PUBLISH = """
-local ttl, deltas = ARGV[1], tonumber(ARGV[2])
-for i = 1, deltas do
-    local at = 4 * i - 1
-    redis.call('XADD', KEYS[i], '*', 'type', 'delta', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
-    if ARGV[at + 3] == '1' then
-        redis.call('EXPIRE', KEYS[i], ttl)
-    end
-end
-for i = deltas + 1, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[3 * deltas + i + 2])
-    end
-end
-return #KEYS
-"""
-assert EVENT_DELTA == "delta"  # spelled out in the script above
-
-
-def _meta_with(job: Job, progress: Progress) -> bytes:
-    """The job's serialized meta (what job.save_meta() writes) with this progress in it."""
-    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
-    return job.serializer.dumps(job.meta)
-
-
-def write_progress(pipeline: Pipeline, job: Job, progress: Progress) -> None:
-    pipeline.hset(job.key, "meta", _meta_with(job, progress))
-
-
-def read_progress(job: Job) -> Progress:
-    return Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
-
-
-def append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: dict[str, str]) -> None:
-    key = stream_key(seq_id)
-    pipeline.xadd(key, fields)
-    pipeline.expire(key, stream_ttl_s)
-
-
-def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "") -> None:
-    append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_END, "status": status, "finish_reason": finish_reason})
+from pagedq.redis_schema import PUBLISH_STEP_SCRIPT, Progress, meta_with, publish_reset, read_progress, stream_key, write_progress
 
 
 @dataclass
@@ -111,7 +62,7 @@ class ProgressPublisher:
         write_progress(pipeline, job, progress)
         if attempt > 1:
             # A previous attempt died part-way: its deltas are in the stream already.
-            append_event(pipeline, job.id, self.stream_ttl_s, {"type": EVENT_RESET, "attempt": str(attempt)})
+            publish_reset(pipeline, job.id, attempt, self.stream_ttl_s)
 
     def update(self, seq_id: str, output: RequestOutput) -> None:
         """Record the job's latest (cumulative) output; nothing is sent until flush()."""
@@ -158,10 +109,10 @@ class ProgressPublisher:
             completion = state.output.outputs[0]
             state.progress.text = completion.text
             state.progress.token_ids = list(completion.token_ids)
-            metas.append(_meta_with(state.job, state.progress))
+            metas.append(meta_with(state.job, state.progress))
         keys = [*streams, *(state.job.key for state in progress_due)]
         # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
-        pipeline.eval(_PUBLISH, len(keys), *keys, self.stream_ttl_s, len(streams), *deltas, *metas)
+        pipeline.eval(PUBLISH_STEP_SCRIPT, len(keys), *keys, self.stream_ttl_s, len(streams), *deltas, *metas)
 
     def published(self) -> None:
         """The pipeline given to publish() ran: what it carried is sent."""

@@ -1,0 +1,147 @@
+"""The native routes: POST /generate, GET|DELETE /result/{id}, GET /stream/{id} (SSE),
+GET /health, GET /ready, GET /metrics. What they share (the job store, the stream reader,
+the prompt checker, settings, metrics) is on `request.app.state`, set by api.app.create_app."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis import Redis
+from rq.worker_registration import get_keys as registered_worker_keys
+
+from api.auth import authenticate
+from api.errors import ApiError, error_response
+from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull
+from api.prompts import PromptChecker
+from api.streaming import STREAM_ID_PATTERN, StreamReader
+from api.threads import blocking
+from pagedq.metrics import CONTENT_TYPE
+from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
+
+_IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
+# The caller's API key ("" with auth off); module-level so FastAPI can resolve the annotation.
+Auth = Annotated[str, Depends(authenticate)]
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
+
+router = APIRouter()
+
+
+def _check_seq_id(seq_id: str) -> str:
+    if not SEQ_ID_PATTERN.match(seq_id):
+        raise ApiError(404, f"no job {seq_id!r}")
+    return seq_id
+
+
+@router.post("/generate", status_code=202, response_model=SubmitResponse, responses=_ERRORS)
+async def generate(
+    body: GenerateRequest,
+    request: Request,
+    api_key: Auth,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> SubmitResponse:
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY_PATTERN.match(idempotency_key):
+        raise ApiError(400, "Idempotency-Key: 1 to 255 printable ASCII characters, no spaces")
+    store: JobStore = request.app.state.store
+    checker: PromptChecker = request.app.state.prompts
+
+    def submit() -> tuple[str, str]:
+        try:
+            prompt_token_ids = checker.prompt_token_ids(body)
+        except ValueError as exc:
+            raise ApiError(422, str(exc)) from exc
+        return store.submit(body, prompt_token_ids, idempotency_key, api_key)
+
+    try:
+        seq_id, status = await blocking(request, submit)
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), {"Retry-After": str(request.app.state.settings.retry_after_s)}) from exc
+    except IdempotencyConflict as exc:
+        raise ApiError(422, str(exc)) from exc
+    return SubmitResponse(seq_id=seq_id, status=status, result_url=str(request.url_for("result", seq_id=seq_id)))
+
+@router.get("/result/{seq_id}", response_model=ResultResponse, responses=_ERRORS)
+async def result(
+    seq_id: str,
+    request: Request,
+    api_key: Auth,
+    wait: Annotated[float, Query(ge=0, description="Seconds to wait for the job to end (bounded).")] = 0,
+) -> ResultResponse:
+    _check_seq_id(seq_id)
+    store: JobStore = request.app.state.store
+    if wait > 0:
+        await request.app.state.streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
+    snapshot = await blocking(request, store.snapshot, seq_id)
+    if snapshot is None:
+        raise ApiError(404, f"no job {seq_id!r}")
+    return snapshot
+
+@router.delete("/result/{seq_id}", response_model=ResultResponse, responses=_ERRORS)
+async def cancel(seq_id: str, request: Request, api_key: Auth) -> ResultResponse:
+    _check_seq_id(seq_id)
+    try:
+        snapshot = await blocking(request, request.app.state.store.cancel, seq_id)
+    except AlreadyFinished as exc:
+        raise ApiError(409, str(exc)) from exc
+    if snapshot is None:
+        raise ApiError(404, f"no job {seq_id!r}")
+    return snapshot
+
+@router.get("/stream/{seq_id}", responses=_ERRORS, response_class=StreamingResponse)
+async def stream(
+    seq_id: str,
+    request: Request,
+    api_key: Auth,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    _check_seq_id(seq_id)
+    if last_event_id is not None and not re.match(STREAM_ID_PATTERN, last_event_id):
+        raise ApiError(400, "Last-Event-ID: expected an event id like '1700000000000-0'")
+    streams: StreamReader = request.app.state.streams
+    if await streams.state(seq_id) is None:
+        raise ApiError(404, f"no job {seq_id!r}")
+    return StreamingResponse(
+        streams.events(seq_id, last_event_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+@router.get("/health")
+def health() -> dict:
+    return {"status": "ok"}
+
+@router.get("/metrics", response_class=Response)
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(await blocking(request, request.app.state.metrics.exposition), media_type=CONTENT_TYPE)
+
+@router.get("/ready", responses={503: {"model": ErrorResponse}})
+async def ready(request: Request) -> JSONResponse:
+    # Redis unreachable: 503 from the error handler.
+    queue = request.app.state.store.queue
+    workers, queue_depth = await blocking(request, _live_workers, request.app.state.redis, queue)
+    if not workers:
+        return error_response(503, f"no live worker on queue {request.app.state.settings.queue_name!r}")
+    return JSONResponse({"status": "ready", "queue_depth": queue_depth, "workers": workers})
+
+
+def _live_workers(connection: Redis, queue) -> tuple[list[dict], int]:
+    """The queue's live workers (with their engine stats) and its depth."""
+    keys = sorted(registered_worker_keys(queue=queue))
+    with connection.pipeline(transaction=False) as pipeline:
+        for key in keys:
+            pipeline.hmget(key, "state", "death", "engine_stats", "metrics_port")
+        rows = pipeline.execute()
+    workers = []
+    for key, (state, death, engine_stats, metrics_port) in zip(keys, rows):
+        if state is None or death is not None:
+            continue  # expired (no heartbeat) or shut down
+        workers.append({
+            "name": key.split(":", 2)[-1],
+            "state": state.decode(),
+            "engine": json.loads(engine_stats) if engine_stats else None,
+            "metrics_port": int(metrics_port) if metrics_port else None,
+        })
+    return workers, queue.count

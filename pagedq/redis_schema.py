@@ -1,0 +1,204 @@
+"""Everything the service keeps in Redis, named in one place; api and worker both import it.
+
+RQ's own keys (job hashes, queues, registries) are named by RQ's classes (`Job.key_for`,
+`Queue.key`, each registry's `key`), as RQ's nouns own their keys; this module names ours
+and the parts of RQ's records that we define:
+
+- jobs: the job function's path, our fields in `job.meta` (the running job's `Progress`),
+  the job states the api shows and their mapping from RQ's statuses;
+- queues: the batch queue beside each interactive one, and the api's cancel counter;
+- each job's event stream (what GET /stream relays): its key, the event names and fields,
+  their writers (the api's and the worker's) and their reader;
+- files (/v1/files) and batches (/v1/batches).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from redis.client import Pipeline
+from rq.job import Job, JobStatus
+
+# ---- jobs ---------------------------------------------------------------------------
+
+# The RQ job function, by dotted path so the api never imports engine code.
+JOB_FUNCTION = "worker.jobs.generate"
+# job.meta fields: the running job's partial result, and the request body's hash (Idempotency-Key replays).
+PROGRESS_META_KEY = "progress"
+BODY_HASH_META_KEY = "request_sha256"
+
+JobState = Literal["queued", "running", "finished", "failed", "canceled"]
+TERMINAL: frozenset[JobState] = frozenset({"finished", "failed", "canceled"})
+_STATES: dict[str, JobState] = {
+    JobStatus.QUEUED: "queued",
+    JobStatus.DEFERRED: "queued",
+    JobStatus.SCHEDULED: "queued",
+    JobStatus.CREATED: "queued",
+    JobStatus.STARTED: "running",
+    JobStatus.FINISHED: "finished",
+    JobStatus.FAILED: "failed",
+    JobStatus.STOPPED: "failed",
+    JobStatus.CANCELED: "canceled",
+}
+
+
+def job_state(rq_status: str | bytes | None) -> JobState | None:
+    """The state shown for a job whose RQ status is this (None: no such job)."""
+    if rq_status is None:
+        return None
+    return _STATES.get(rq_status.decode() if isinstance(rq_status, bytes) else rq_status, "queued")
+
+
+class Progress(BaseModel):
+    """The partial result of a running job, kept in job.meta."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    prompt_tokens: int = 0
+    first_token: float | None = None
+    # 1 for the first run; a requeued job (its worker died) starts over with attempt 2, ...
+    attempt: int = 0
+
+
+def meta_with(job: Job, progress: Progress) -> bytes:
+    """The job's serialized meta (what job.save_meta() writes) with this progress in it."""
+    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
+    return job.serializer.dumps(job.meta)
+
+
+def write_progress(pipeline: Pipeline, job: Job, progress: Progress) -> None:
+    pipeline.hset(job.key, "meta", meta_with(job, progress))
+
+
+def read_progress(job: Job) -> Progress:
+    return Progress.model_validate(job.meta.get(PROGRESS_META_KEY) or {})
+
+
+# ---- queues -------------------------------------------------------------------------
+
+
+def batch_queue_name(queue_name: str) -> str:
+    """The RQ queue of batch requests (/v1/batches lines). Workers take from it only when
+    the interactive queue is empty, so a large batch never stands in front of a request."""
+    return f"{queue_name}.batch"
+
+
+def cancels_key(queue_name: str) -> str:
+    """A counter the api bumps on every cancel, so workers look for canceled jobs only
+    when it changes instead of reading every in-flight job's status every engine step."""
+    return f"pagedq:cancels:{queue_name}"
+
+
+# ---- job event streams --------------------------------------------------------------
+
+
+def stream_key(seq_id: str) -> str:
+    return f"pagedq:stream:{seq_id}"
+
+
+def api_wake_key(token: str) -> str:
+    """A stream an api process XADDs to so its own blocked XREAD returns (api.streaming.StreamHub)."""
+    return f"pagedq:api-wake:{token}"
+
+
+# Stream events (fields of one Redis stream entry, all strings).
+# {"type": "delta", "index": "I", "text": "...", "num_tokens": "N"}: output I's new text
+# (possibly empty: a token that ends mid-character) and its count of tokens generated so far.
+EVENT_DELTA = "delta"
+EVENT_RESET = "reset"  # {"type": "reset", "attempt": "A"}: a retried attempt starts over: drop the text received so far
+EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
+
+# Writes one engine step's deltas and partial results in one round trip, whatever the
+# number of jobs: on a small model the worker's Redis traffic would otherwise cost as much
+# as the step itself.
+# KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
+# the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
+# (index, text, num_tokens, new) per delta, then the serialized job.meta per job hash. A
+# stream's TTL is set by its first delta (new = 1) and kept by XADD. A meta is written only
+# if its job still exists: a write to a deleted job would recreate its hash.
+PUBLISH_STEP_SCRIPT = f"""
+local ttl, deltas = ARGV[1], tonumber(ARGV[2])
+for i = 1, deltas do
+    local at = 4 * i - 1
+    redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+    if ARGV[at + 3] == '1' then
+        redis.call('EXPIRE', KEYS[i], ttl)
+    end
+end
+for i = deltas + 1, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+        redis.call('HSET', KEYS[i], 'meta', ARGV[3 * deltas + i + 2])
+    end
+end
+return #KEYS
+"""
+
+
+def _append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: dict[str, str]) -> None:
+    key = stream_key(seq_id)
+    pipeline.xadd(key, fields)
+    pipeline.expire(key, stream_ttl_s)
+
+
+def publish_reset(pipeline: Pipeline, seq_id: str, attempt: int, stream_ttl_s: int) -> None:
+    _append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_RESET, "attempt": str(attempt)})
+
+
+def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "") -> None:
+    _append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_END, "status": status, "finish_reason": finish_reason})
+
+
+Entry = tuple[str, dict[str, str]]
+# (kind, data, entry id): `delta` {index, text, num_tokens}, `reset` {attempt}, `end` {status, finish_reason}.
+Event = tuple[str, dict, str | None]
+
+
+def is_end(fields: dict[str, str]) -> bool:
+    return fields.get("type") == EVENT_END
+
+
+def read_events(batch: list[Entry]) -> list[Event]:
+    """The events of a batch of stream entries, up to an `end`. Consecutive deltas of one
+    output merge into one (the last one's id and count), so a client that fell behind
+    catches up in one event instead of one per token."""
+    events: list[Event] = []
+    text, last_delta = [], None
+    for entry_id, fields in [*batch, ("", {})]:
+        kind = fields.get("type")
+        if last_delta is not None and (kind != EVENT_DELTA or fields.get("index") != last_delta[1].get("index")):
+            delta_id, delta = last_delta
+            data = {"index": int(delta.get("index", "0")), "text": "".join(text), "num_tokens": int(delta.get("num_tokens", "0"))}
+            events.append(("delta", data, delta_id))
+            text, last_delta = [], None
+        if kind == EVENT_DELTA:
+            text.append(fields.get("text", ""))
+            last_delta = (entry_id, fields)
+        elif kind == EVENT_RESET:
+            events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
+        elif kind == EVENT_END:
+            end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}
+            events.append(("end", end, entry_id))
+            break
+    return events
+
+
+# ---- files and batches --------------------------------------------------------------
+
+
+def file_meta_key(file_id: str) -> str:
+    return f"pagedq:file:{file_id}"
+
+
+def file_content_key(file_id: str) -> str:
+    return f"pagedq:file:{file_id}:content"
+
+
+# Every batch id, scored by creation time (newest first in listings); the ones still running.
+BATCHES_KEY = "pagedq:batches"
+ACTIVE_BATCHES_KEY = "pagedq:batches:active"
+
+
+def batch_key(batch_id: str, part: str = "") -> str:
+    """A batch's record; with `part`, one of its companions (lines, errors, outcomes, cancel, lease)."""
+    return f"pagedq:batch:{batch_id}{':' + part if part else ''}"
