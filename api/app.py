@@ -110,3 +110,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     return app
 
+
+def app_from_environment() -> FastAPI:
+    """The app with settings from `PAGEDQ_*` variables: each `pagedq api --workers N` process builds its own."""
+    return create_app(Settings())
