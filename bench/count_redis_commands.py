@@ -2,9 +2,11 @@
 
 Starts its own Redis, api and one worker (pagedq.local_service) on MODEL, warms them up,
 then runs NUM_JOBS requests (all at once, fixed prompt and output lengths, clients that
-stream or that long-poll the result) while a MONITOR connection records every command
-Redis executes. Prints, per job: the commands clients sent (round trips are fewer: the
-service pipelines), the commands scripts ran inside Redis, and the top commands of each.
+stream or that long-poll the result) twice: once measuring Redis's own CPU time, once
+while a MONITOR connection records every command Redis executes. Prints, per job: the
+commands clients sent (round trips are fewer: the service pipelines), the commands
+scripts ran inside Redis, the top commands of each, and Redis CPU time (so jobs/s one
+Redis core carries).
 
     .venv/bin/python bench/count_redis_commands.py --model DIR [--num-jobs 256] [--output-len 64] [--no-stream]
 """
@@ -43,6 +45,11 @@ def _monitor(url: str, counts: dict[str, collections.Counter], ready: threading.
             counts[source][command["command"].split(" ", 1)[0].strip('"').upper()] += 1
 
 
+def _redis_cpu_s(connection: redis.Redis) -> float:
+    cpu = connection.info("cpu")
+    return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -64,6 +71,12 @@ def main() -> None:
             url = service.settings.base_url
             asyncio.run(_run_load(url, None, workload.head(4, 4), None, None, args.stream))
             time.sleep(1.0)  # the warm-up's last writes
+            # First pass without MONITOR (which costs Redis more than the commands do): Redis's own CPU time.
+            stats = redis.Redis.from_url(service.settings.redis_url)
+            cpu_before = _redis_cpu_s(stats)
+            asyncio.run(_run_load(url, None, workload, None, None, args.stream))
+            time.sleep(1.0)
+            redis_cpu_s = _redis_cpu_s(stats) - cpu_before
             counts = {"client": collections.Counter(), "script": collections.Counter()}
             ready = threading.Event()
             thread = threading.Thread(target=_monitor, args=(service.settings.redis_url, counts, ready), daemon=True)
@@ -82,6 +95,8 @@ def main() -> None:
         top = ", ".join(f"{name} {count / args.num_jobs:.1f}" for name, count in counts[source].most_common(12))
         print(f"{source} commands per job: {total / args.num_jobs:.1f}   ({top})")
     print(f"all commands per job: {sum(sum(c.values()) for c in counts.values()) / args.num_jobs:.1f}")
+    print(f"Redis CPU per job (a pass without MONITOR): {redis_cpu_s / args.num_jobs * 1e6:.0f} us "
+          f"-> {args.num_jobs / redis_cpu_s:.0f} jobs/s per Redis core at this workload")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import ssl
 import tempfile
@@ -170,15 +171,33 @@ async def _run_load(
             await client.aclose()
 
 
-def measure_service(base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace) -> dict:
-    """Warm the service up (not timed), then run the workload; latency.summarize()'s dict."""
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_service(
+    base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace, processes: dict[str, int] | None = None
+) -> dict:
+    """Warm the service up (not timed), then run the workload; latency.summarize()'s dict,
+    with `cpu_s`: the CPU seconds each of `processes` (name: pid) and this client spent on
+    the timed run (CPU time, unlike wall time, does not depend on what else the machine runs)."""
     stream = getattr(args, "stream", True)
     warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None, stream))
     failed = [t.error for t in warmup if not t.ok]
     if failed:
         raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
+    processes = processes or {}
+    cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+    client_before = time.process_time()
     timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate, stream))
     summary = summarize(timings, duration)
+    summary["cpu_s"] = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items() if cpu_before[name] is not None}
+    summary["cpu_s"]["client"] = time.process_time() - client_before
     summary["errors"] = sorted({t.error for t in timings if t.error})
     return summary
 
@@ -211,8 +230,11 @@ def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
                 service.start()
             except StartupFailed as exc:
                 raise CommandError(f"{exc}; its log:\n{log_path.read_text()[-4000:]}") from None
+            processes = {"worker": service.children[1].pid, "api": service.children[0].pid}
+            if service.redis_server is not None and service.redis_server.process is not None:
+                processes["redis"] = service.redis_server.process.pid
             try:
-                summary = measure_service(service.settings.base_url, None, workload, args)
+                summary = measure_service(service.settings.base_url, None, workload, args, processes)
             finally:
                 service.stop()
     return summary, "its own service on this machine: Redis, `pagedq api`, one `pagedq worker`"
@@ -273,6 +295,17 @@ def run(args: argparse.Namespace) -> int:
     ratio = serve["output_tokens_per_s"] / offline["output_tokens_per_s"] if offline else None
     if ratio is not None:
         print(f"\nserve / offline output throughput: {ratio:.2f}x")
+    if serve.get("cpu_s"):
+        cpu = serve["cpu_s"]
+        line = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
+        print(f"CPU seconds of the timed serve run: {line}", end="")
+        if offline is not None:
+            # The offline engine is CPU-bound on its torch threads for its whole run.
+            offline_cpu = offline["seconds"] * offline["torch_threads"]
+            service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
+            print(f"; offline ~{offline_cpu:.1f} (seconds x torch threads); service (worker + api + redis) / offline: "
+                  f"{service_cpu / offline_cpu:.2f}", end="")
+        print()
     if args.json:
         write_json(args.json, args, {
             "device": device_description(device),
