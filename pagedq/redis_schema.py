@@ -151,8 +151,8 @@ PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
 local ttl, at, lost = ARGV[1], 2, {{}}
 for j = 1, #KEYS / 3 do
     local job_key, stream = KEYS[3 * j - 2], KEYS[3 * j]
-    local meta, deltas = ARGV[at + 2], tonumber(ARGV[at + 3])
-    local mine = owns(job_key, KEYS[3 * j - 1], ARGV[at], ARGV[at + 1])
+    local worker, meta, deltas = ARGV[at], ARGV[at + 2], tonumber(ARGV[at + 3])
+    local mine = owns(job_key, KEYS[3 * j - 1], worker, ARGV[at + 1])
     at = at + 4
     if not mine then
         lost[#lost + 1] = j
@@ -164,8 +164,9 @@ for j = 1, #KEYS / 3 do
             end
             at = at + 4
         end
-        -- A meta is written only if the job still exists: a write to a deleted job would recreate its hash.
-        if meta ~= '' and redis.call('EXISTS', job_key) == 1 then
+        -- A meta is written only if the job still exists: a write to a deleted job would
+        -- recreate its hash (owns() has seen it exist, unless unfenced).
+        if meta ~= '' and (worker ~= '' or redis.call('EXISTS', job_key) == 1) then
             redis.call('HSET', job_key, 'meta', meta)
         end
     end

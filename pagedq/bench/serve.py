@@ -299,12 +299,10 @@ def run(args: argparse.Namespace) -> int:
         cpu = serve["cpu_s"]
         line = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
         print(f"CPU seconds of the timed serve run: {line}", end="")
-        if offline is not None:
-            # The offline engine is CPU-bound on its torch threads for its whole run.
-            offline_cpu = offline["seconds"] * offline["torch_threads"]
+        if offline is not None and offline.get("cpu_seconds"):
             service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
-            print(f"; offline ~{offline_cpu:.1f} (seconds x torch threads); service (worker + api + redis) / offline: "
-                  f"{service_cpu / offline_cpu:.2f}", end="")
+            print(f"; offline {offline['cpu_seconds']:.1f}; service (worker + api + redis) / offline: "
+                  f"{service_cpu / offline['cpu_seconds']:.2f}x", end="")
         print()
     if args.json:
         write_json(args.json, args, {
