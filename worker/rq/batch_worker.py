@@ -9,18 +9,25 @@ replaces the work loop. One tick:
    checked often) and the ids a dead worker took from a queue but never started, and read
    the suspension flag;
 2. heartbeat, when due: the worker and every execution, in one pipeline;
-3. step the engine once;
-4. one round trip to Redis (`_sync_with_redis`): every job's new text goes to its stream,
-   the engine stats to the worker's hash, the api's cancel counter comes back, and so do
-   up to the free capacity of new job ids (taken only while the engine has no backlog,
-   so queued jobs stay in Redis for other workers): from the interactive queue first, then
-   from the batch queue (redis_schema.batch_queue_name), whose jobs never fill the slots
-   reserved for interactive ones (`reserved_interactive_slots`). Jobs no longer ours (canceled,
-   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
-   at once; a job named by RQ's stop-job command fails as STOPPED;
-5. finish completed jobs through RQ's success path;
-6. mark the new jobs started in one transaction and hand them to the engine (or, idle,
-   block on the queue for a second).
+3. queue the round trip of what the previous step produced (`_send_sync`) and hand it to
+   the I/O thread: every job's new text to its stream and partial result to its hash, the
+   results of the jobs it finished (RQ's success writes, one script call for all of them)
+   with their streams' "end", the engine stats to the worker's hash, and _SYNC: the api's
+   cancel counter, which in-flight jobs are no longer ours, and up to the free capacity of
+   new job ids (taken only while the engine has no backlog, so queued jobs stay in Redis
+   for other workers): from the interactive queue first, then from the batch queue
+   (redis_schema.batch_queue_name), whose jobs never fill the slots reserved for
+   interactive ones (`reserved_interactive_slots`). The I/O thread then marks the new
+   jobs started in one transaction;
+4. step the engine once, while that round trip runs: the engine never waits for Redis;
+5. take the round trip's answer (`_complete_sync`): jobs no longer ours (canceled,
+   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks;
+   a job named by RQ's stop-job command fails as STOPPED; finished jobs are forgotten; the
+   started ones go to the engine (or, idle, block on the queue for a second).
+
+Every write for a job is fenced: it happens only if the job's execution still owns it,
+checked in the same script (redis_schema.owns), so a worker that stalled past its
+heartbeat TTL, and whose jobs were rerun elsewhere, writes nothing for them when it wakes.
 
 Metrics (pagedq.metrics, on `metrics_port`) cost the loop a few additions per output.
 
@@ -28,7 +35,7 @@ Each execution is its own engine request (its id is the request id), so a job th
 back to this worker after being requeued can never be confused with its earlier run.
 
 Redis going away: every Redis error is retried a second later, forever; the engine pauses
-(a tick fails at its first Redis call) and what was not yet published or finished is kept
+(a tick fails when its round trip does) and what was not yet published or finished is kept
 and sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
 this worker's jobs reaped; after a long one they are requeued and run again, once.
 
