@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -15,7 +19,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.redis_server import RedisServer, free_port
-from tests.service_helpers import ApiServer, service_settings
+from tests.service_helpers import ApiServer, service_settings, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-8f3a1c"
@@ -296,3 +300,40 @@ def test_more_concurrent_requests_than_redis_connections_wait_for_one(model, red
     streams, results = responses[:40], responses[40:]
     assert all('"status": "canceled"' in r.text for r in streams)
     assert all(r.json()["status"] == "canceled" for r in results)
+
+
+def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_server, tmp_path):
+    """`pagedq api --workers 2`: two uvicorn worker processes behind one port; /metrics
+    from either counts every process's requests; SIGTERM stops them all cleanly."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="two-apis")
+    env = {**os.environ, **settings.to_env()}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    with open(tmp_path / "api.log", "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "pagedq.cli", "api", "--workers", "2"], env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{settings.port}"
+    try:
+        log = tmp_path / "api.log"
+        wait_until(lambda: log.read_text().count("Application startup complete") == 2, 120, "both api processes to start",
+                   interval_s=0.2)
+        # Twenty connections held open, each served by the process that accepted it (the
+        # kernel spreads them); each submits once, then each scrapes: whichever process
+        # answers, it counts every process's submits.
+        clients = [httpx.Client(base_url=url, timeout=10) for _ in range(20)]
+        try:
+            for i, client in enumerate(clients):
+                assert client.post("/generate", json={"prompt": f"p{i}"}).status_code == 202
+            scrapes = ['pagedq:jobs_submitted_total{queue="two-apis"} 20.0' in client.get("/metrics").text
+                       for client in clients]
+        finally:
+            for client in clients:
+                client.close()
+        assert scrapes == [True] * 20
+        api.send_signal(signal.SIGTERM)
+        assert api.wait(30) == 0
+        assert log.read_text().count("Application shutdown complete") == 2
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
+
