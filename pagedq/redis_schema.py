@@ -14,7 +14,7 @@ and the parts of RQ's records that we define:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from redis.client import Pipeline
@@ -111,51 +111,50 @@ EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
 
 # ---- fencing -----------------------------------------------------------------------
 # A worker writes for a job (stream events, progress, result, status) only while its
-# execution still owns the job: the job hash says STARTED by this worker, and the
-# execution is in the queue's started registry (the reaper removes it when the worker's
-# heartbeats stop). The check runs in the same script as the writes, so a worker that
-# stalled past its heartbeat TTL and wakes up writes nothing for the jobs it lost.
-# `owns(job hash, started registry, worker name, execution composite key)`; an empty
-# worker name means unfenced (RQ's own worker running worker.jobs.generate owns its job).
+# execution still owns the job: the job hash says STARTED, by this execution (the batch
+# worker records its execution's composite key in the job hash, EXECUTION_FIELD, in the
+# transaction that starts it). A job reaped after its worker's heartbeats stopped goes back
+# to QUEUED (or FAILED), and a rerun records its own execution, so a worker that stalled
+# past its heartbeat TTL and wakes up writes nothing for the jobs it lost. The check runs
+# in the same script as the writes. One HMGET: the check runs for every job each step.
+# `owns(job hash, execution composite key)`; an empty key means unfenced (RQ's own worker
+# running worker.jobs.generate owns its one job).
+EXECUTION_FIELD = "pagedq_execution"
 _OWNS_LUA = f"""
-local function owns(job_key, registry_key, worker, composite)
-    if worker == '' then return true end
-    local job = redis.call('HMGET', job_key, 'status', 'worker_name')
-    return job[1] == '{JobStatus.STARTED.value}' and job[2] == worker and redis.call('ZSCORE', registry_key, composite) ~= false
+local function owns(job_key, execution)
+    if execution == '' then return true end
+    local job = redis.call('HMGET', job_key, 'status', '{EXECUTION_FIELD}')
+    return job[1] == '{JobStatus.STARTED.value}' and job[2] == execution
 end
 """
+# owns() skips its check.
+UNFENCED = ""
 
 
-class Fence(NamedTuple):
-    """What owns() needs to know about one job's execution."""
-
-    registry_key: str
-    worker_name: str
-    composite_key: str
-
-
-# owns() skips its check: the writer is RQ's own worker, which runs one job and owns it.
-NO_FENCE_WORKER = ""
+def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
+    """In the transaction that starts the job: from now on only this execution owns it."""
+    pipeline.hset(job.key, EXECUTION_FIELD, composite_key)
 
 
 # Writes one engine step's deltas and partial results in one round trip, whatever the
 # number of jobs: on a small model the worker's Redis traffic would otherwise cost as much
 # as the step itself.
-# KEYS: per job, its hash, its started registry and its stream. ARGV: the stream TTL, then
-# per job: the worker name and execution composite key (owns() above), its serialized
-# job.meta ('' when no partial result is due), its number of deltas (a job with n > 1
-# outputs has one per output) and (index, text, num_tokens, new) per delta. A stream's TTL
-# is set by its first delta (new = 1) and kept by XADD. A job whose execution no longer
-# owns it gets nothing written; the script returns those jobs' positions (1-based).
+# KEYS: per job, its hash and its stream. ARGV: the stream TTL, then per job: its
+# execution's composite key (owns() above), its serialized job.meta ('' when no partial
+# result is due), its number of deltas (a job with n > 1 outputs has one per output) and
+# (index, text, num_tokens, new) per delta. A stream's TTL is set by its first delta
+# (new = 1) and kept by XADD. A job whose execution no longer owns it gets nothing
+# written; the script returns those jobs' positions (1-based).
 PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
 local ttl, at, lost = ARGV[1], 2, {{}}
-for j = 1, #KEYS / 3 do
-    local job_key, stream = KEYS[3 * j - 2], KEYS[3 * j]
-    local worker, meta, deltas = ARGV[at], ARGV[at + 2], tonumber(ARGV[at + 3])
-    local mine = owns(job_key, KEYS[3 * j - 1], worker, ARGV[at + 1])
-    at = at + 4
+for j = 1, #KEYS / 2 do
+    local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
+    local execution, meta, deltas = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+    local mine = owns(job_key, execution)
+    at = at + 3
     if not mine then
         lost[#lost + 1] = j
+        at = at + 4 * deltas
     else
         for d = 1, deltas do
             redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
@@ -166,11 +165,10 @@ for j = 1, #KEYS / 3 do
         end
         -- A meta is written only if the job still exists: a write to a deleted job would
         -- recreate its hash (owns() has seen it exist, unless unfenced).
-        if meta ~= '' and (worker ~= '' or redis.call('EXISTS', job_key) == 1) then
+        if meta ~= '' and (execution ~= '' or redis.call('EXISTS', job_key) == 1) then
             redis.call('HSET', job_key, 'meta', meta)
         end
     end
-    if not mine then at = at + 4 * deltas end
 end
 return lost
 """
@@ -179,15 +177,15 @@ return lost
 # what RQ's success path would have sent in its own transaction (redis-py queues them
 # on a pipeline that is never executed; their arguments come here), then the stream's
 # "end". One round trip for every job finished in an engine step, atomic with the check.
-# KEYS: per job, its hash and its started registry. ARGV: per job: the worker name, the
-# execution composite key, its number of commands, then per command its argument count
-# and arguments. Returns the positions (1-based) of the jobs it wrote nothing for.
+# KEYS: per job, its hash. ARGV: per job: its execution's composite key, its number of
+# commands, then per command its argument count and arguments. Returns the positions
+# (1-based) of the jobs it wrote nothing for.
 FENCED_COMMANDS_SCRIPT = _OWNS_LUA + """
 local at, lost = 1, {}
-for j = 1, #KEYS / 2 do
-    local mine = owns(KEYS[2 * j - 1], KEYS[2 * j], ARGV[at], ARGV[at + 1])
-    local commands = tonumber(ARGV[at + 2])
-    at = at + 3
+for j = 1, #KEYS do
+    local mine = owns(KEYS[j], ARGV[at])
+    local commands = tonumber(ARGV[at + 1])
+    at = at + 2
     if not mine then lost[#lost + 1] = j end
     for c = 1, commands do
         local argc = tonumber(ARGV[at])

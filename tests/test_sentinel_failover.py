@@ -84,7 +84,7 @@ def _known_replicas(sentinel: SentinelProcess) -> list:
 
 def requests(count: int) -> list[dict]:
     return [
-        {"prompt_token_ids": [5 + (i * 17 + j) % 300 for j in range(3 + i % 4)], "max_tokens": 160,
+        {"prompt_token_ids": [5 + (i * 17 + j) % 300 for j in range(3 + i % 4)], "max_tokens": 400,
          "ignore_eos": True, "temperature": 0}
         for i in range(count)
     ]

@@ -26,7 +26,7 @@ replaces the work loop. One tick:
    started ones go to the engine (or, idle, block on the queue for a second).
 
 Every write for a job is fenced: it happens only if the job's execution still owns it,
-checked in the same script (redis_schema.owns), so a worker that stalled past its
+checked in the same script (redis_schema's owns()), so a worker that stalled past its
 heartbeat TTL, and whose jobs were rerun elsewhere, writes nothing for them when it wakes.
 
 Metrics (pagedq.metrics, on `metrics_port`) cost the loop a few additions per output.
@@ -72,11 +72,11 @@ from pagedq.redis_connection import connect
 from pagedq.redis_schema import (
     FENCED_COMMANDS_SCRIPT,
     JOB_FUNCTION,
-    Fence,
     Progress,
     batch_queue_name,
     cancels_key,
     publish_end,
+    record_execution,
 )
 from pagedq.settings import Settings
 from worker.rq.publisher import ProgressPublisher, Sending, start_progress
@@ -360,7 +360,7 @@ class BatchWorker(BaseWorker):
         Every in-flight job is checked when the api's cancel counter moved (so a cancel
         aborts its job within a step), every reaper interval (cancels made through RQ
         directly), and after a Redis outage. Writes need no check of their own: each is
-        fenced (redis_schema.owns), so a job reaped after a stall and rerun elsewhere
+        fenced (owns() in redis_schema), so a job reaped after a stall and rerun elsewhere
         never gets a write from here."""
         entries = list(self.inflight.values())
         full = full or time.monotonic() >= self._next_full_check
@@ -373,7 +373,7 @@ class BatchWorker(BaseWorker):
         pending = _PendingSync(checked=running if full else [], full=full)
         by_job_id = {entry.job.id: entry for entry in entries}
         pipeline = self.connection.pipeline(transaction=False)
-        pending.sending = self.publisher.publish(pipeline, lambda job_id: self._fence(by_job_id[job_id]))
+        pending.sending = self.publisher.publish(pipeline, lambda job_id: by_job_id[job_id].execution.composite_key)
         pending.finishing = [entry for entry in entries if entry.final is not None]
         if pending.finishing:
             self._queue_successes(pipeline, pending.finishing)
@@ -445,9 +445,6 @@ class BatchWorker(BaseWorker):
         for position in lost_positions:
             lost[running[position - 1].request_id] = running[position - 1]
 
-    def _fence(self, entry: InFlight) -> Fence:
-        return Fence(entry.queue.started_job_registry.key, self.name, entry.execution.composite_key)
-
     def _wait_for_work(self) -> None:
         """Idle: block on the queue for a while (or just wait, when not admitting)."""
         if self._draining or self._suspended or len(self.inflight) >= self.capacity:
@@ -478,6 +475,7 @@ class BatchWorker(BaseWorker):
                             continue  # deleted or canceled while in transit
                         execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
                         job.prepare_for_execution(self.name, pipeline)
+                        record_execution(pipeline, job, execution.composite_key)
                         item = _Started(job, execution)
                         try:
                             if job.func_name != JOB_FUNCTION:
@@ -582,8 +580,8 @@ class BatchWorker(BaseWorker):
             execution.delete(job=job, pipeline=recorder)
             publish_end(recorder, job.id, "finished", ttl, finish_reason=entry.result.finish_reason or "")
             commands = [command for command, _ in recorder.command_stack]
-            keys += [job.key, entry.queue.started_job_registry.key]
-            args += [self.name, execution.composite_key, len(commands)]
+            keys.append(job.key)
+            args += [execution.composite_key, len(commands)]
             for command in commands:
                 args += [len(command), *command]
         pipeline.eval(FENCED_COMMANDS_SCRIPT, len(keys), *keys, *args)

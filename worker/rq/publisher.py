@@ -23,9 +23,8 @@ from rq.job import Job
 
 from pagedq.outputs import RequestOutput
 from pagedq.redis_schema import (
-    NO_FENCE_WORKER,
     PUBLISH_STEP_SCRIPT,
-    Fence,
+    UNFENCED,
     Progress,
     meta_with,
     publish_reset,
@@ -103,11 +102,11 @@ class ProgressPublisher:
             progress.first_token = output.metrics.first_token_time or time.time()
         self._dirty.add(seq_id)
 
-    def publish(self, pipeline: Pipeline, fence: Callable[[str], Fence] | None = None) -> Sending:
+    def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
         """Queue everything recorded since the last send into `pipeline` as one script
         call; once the pipeline has run, pass its reply to published() (or the Sending to
-        failed(), if it did not run). `fence(seq_id)`: the job's execution, whose ownership
-        the script checks before writing (None: unfenced). Only one Sending may be in
+        failed(), if it did not run). `fence(seq_id)`: the composite key of the job's
+        execution, whose ownership the script checks before writing (None: unfenced). Only one Sending may be in
         flight: the next publish() follows published() or failed()."""
         sending = Sending()
         if not self._dirty:
@@ -141,9 +140,8 @@ class ProgressPublisher:
                 meta = meta_with(state.job, state.progress)
             if not deltas and not meta:
                 continue
-            registry_key, worker_name, composite_key = fence(seq_id) if fence else ("", NO_FENCE_WORKER, "")
-            keys += [state.job.key, registry_key, stream_key(seq_id)]
-            args += [worker_name, composite_key, meta, len(deltas) // 4, *deltas]
+            keys += [state.job.key, stream_key(seq_id)]
+            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas) // 4, *deltas]
             sending.jobs.append(seq_id)
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
