@@ -27,7 +27,7 @@ SERVICE = "pagedq-test"
 
 
 class SentinelProcess:
-    """`redis-server sentinel.conf --sentinel` watching one primary, failing over after 1 s of silence."""
+    """`redis-server sentinel.conf --sentinel` watching one primary, failing over after 3 s of silence (less, and a loaded test machine sees spurious failovers)."""
 
     def __init__(self, data_dir: Path, primary_port: int):
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -36,7 +36,7 @@ class SentinelProcess:
         config.write_text(
             f"port {self.port}\nbind 127.0.0.1\ndir {data_dir}\n"
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary_port} 1\n"
-            f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+            f"sentinel down-after-milliseconds {SERVICE} 3000\n"
             f"sentinel failover-timeout {SERVICE} 10000\n"
         )
         with open(data_dir / "sentinel.log", "ab") as log:
@@ -66,13 +66,20 @@ def sentinel_cluster(tmp_path):
     replica = RedisServer(tmp_path / "replica", extra_args=["--replicaof", "127.0.0.1", str(primary.port)]).start()
     sentinel = SentinelProcess(tmp_path / "sentinel", primary.port)
     try:
-        # The sentinel must know the replica (it learns it from the primary's INFO) before it can promote it.
+        # The replica in sync, and known to the sentinel (from the primary's INFO), before anything runs:
+        # what it has not received when the primary dies is lost (Redis replicates asynchronously).
+        wait_until(lambda: _in_sync(replica), 30, "the replica's first sync", interval_s=0.1)
         wait_until(lambda: _known_replicas(sentinel), 30, "the sentinel to discover the replica", interval_s=0.2)
         yield primary, replica, sentinel
     finally:
         sentinel.stop()
         replica.stop()
         primary.stop()
+
+
+def _in_sync(replica: RedisServer) -> bool:
+    info = Redis(port=replica.port).info("replication")
+    return info.get("master_link_status") == "up" and not info.get("master_sync_in_progress")
 
 
 def _known_replicas(sentinel: SentinelProcess) -> list:
@@ -103,9 +110,14 @@ def test_failover_loses_and_repeats_nothing(sentinel_cluster, tiny_model_dir, tm
         with Client(api.url, timeout_s=30) as client:
             before = [client.submit(**body)["seq_id"] for body in bodies[:16]]
             redis = connect(url)
-            # Jobs in flight: some running on the worker, none finished yet.
-            wait_until(lambda: redis.llen("rq:queue:pagedq") == 0, 30, "the worker to take the jobs", interval_s=0.01)
-            in_flight = redis.zcard("rq:wip:pagedq")
+            # Jobs in flight: running on the worker (started, in the started registry).
+            in_flight = wait_until(lambda: redis.zcard("rq:wip:pagedq"), 30, "jobs to start", interval_s=0.01)
+            # Everything written so far has reached the replica (a write, then WAIT for one
+            # replica to have it: the replication stream is ordered), as a replica kept in
+            # step by a real deployment would have; then the primary dies mid-run.
+            to_primary = Redis(port=primary.port)
+            to_primary.set("test:replication-mark", 1)
+            assert to_primary.wait(1, 5000) == 1
             primary.process.send_signal(signal.SIGKILL)
             primary.process.wait(10)
             wait_until(lambda: sentinel.primary_port() == replica.port, 30, "the sentinel to promote the replica", interval_s=0.2)

@@ -390,17 +390,23 @@ class BatchWorker(BaseWorker):
         pending.future = self._io.submit(self._run_sync, pipeline)
         return pending
 
-    def _run_sync(self, pipeline) -> tuple[list, list[_Started]]:
-        """On the I/O thread: the round trip, then the start of the jobs it took."""
+    def _run_sync(self, pipeline) -> tuple[list, list[_Started], Exception | None]:
+        """On the I/O thread: the round trip, then the start of the jobs it took. A Redis
+        error in the start comes back beside the round trip's replies: what the round
+        trip wrote is written (its text must not be sent twice); the ids taken but not
+        started are requeued by a reaper, as a dead worker's are."""
         with pipeline:
             replies = pipeline.execute()
         taken = [as_text(i) for i in replies[-1][2]]
-        return replies, self._start_jobs(taken) if taken else []
+        try:
+            return replies, self._start_jobs(taken) if taken else [], None
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            return replies, [], exc
 
     def _complete_sync(self, pending: _PendingSync) -> bool:
         """Wait for the round trip and act on what it says; True if jobs were started."""
         try:
-            replies, started = pending.future.result()
+            replies, started, start_error = pending.future.result()
         except BaseException:
             self.publisher.failed(pending.sending)
             raise
@@ -431,6 +437,8 @@ class BatchWorker(BaseWorker):
             self._stop_jobs()
         for item in started:
             self._hand_to_engine(item)
+        if start_error is not None:
+            raise start_error
         return bool(started)
 
     def _check_all(self, lost: dict[str, InFlight]) -> None:
