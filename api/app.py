@@ -14,9 +14,6 @@ from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
-from redis import BlockingConnectionPool, Redis
-from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
-from redis.asyncio import Redis as AsyncRedis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import batches, files, native_routes, openai_compat
@@ -29,6 +26,7 @@ from api.prompts import PromptChecker
 from api.streaming import StreamReader
 from api.threads import blocking_limiter
 from pagedq.metrics import ApiMetrics
+from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
 # Longer than any blocking read the api makes (StreamReader.poll_s).
 _REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
@@ -74,8 +72,8 @@ def create_app(settings: Settings) -> FastAPI:
         # pool fails the 101st concurrent command ("Too many connections"), which a few
         # hundred open streams reach.
         pool = {"max_connections": settings.redis_max_connections, "timeout": settings.redis_pool_timeout_s}
-        redis = app.state.redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
-        app.state.aredis = AsyncRedis.from_pool(AsyncBlockingConnectionPool.from_url(redis_url, **pool, **_REDIS_TIMEOUTS))
+        redis = app.state.redis = connect(redis_url, **pool, **_REDIS_TIMEOUTS)
+        app.state.aredis = connect_async(redis_url, **pool, **_REDIS_TIMEOUTS)
         store = app.state.store = JobStore(
             redis, settings, on_enqueued=lambda queue, count: metrics.jobs_submitted.labels(queue).inc(count)
         )
@@ -117,3 +115,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     return app
 
+
+def app_from_environment() -> FastAPI:
+    """The app with settings from `PAGEDQ_*` variables: each `pagedq api --workers N` process builds its own."""
+    return create_app(Settings())

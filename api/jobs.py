@@ -15,9 +15,10 @@ import uuid
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue, Retry
-from rq.exceptions import DuplicateJobError, InvalidJobOperation, NoSuchJobError
+from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
+from rq.scripts import _build_hset_args
 from rq.serializers import JSONSerializer
 
 from api.auth import ANYONE, Caller
@@ -64,6 +65,29 @@ end
 return count
 """
 _CANCEL_CHUNK = 2000
+# One atomic step per submit: the duplicate check (Idempotency-Key), the queue-depth limit
+# and the enqueue, so N concurrent submits against room for k accept exactly k. Writes
+# what RQ's unique enqueue writes (the job hash from Job.to_dict(), its TTL, the push), and
+# the queue's entry in RQ's set of queues.
+# KEYS: the job hash, the queue, RQ's set of queues. ARGV: the job id, the depth limit, the
+# job's TTL (-1: none), then the hash's field/value pairs. Returns 1 queued, 0 a job with
+# this id exists, -1 the queue is full.
+_ENQUEUE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+    return 0
+end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[2]) then
+    return -1
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+local ttl = tonumber(ARGV[3])
+if ttl > 0 then
+    redis.call('EXPIRE', KEYS[1], ttl)
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], KEYS[2])
+return 1
+"""
 
 
 class QueueFull(Exception):
@@ -92,6 +116,7 @@ class JobStore:
         self.queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
         self.batch_queue = Queue(batch_queue_name(settings.queue_name), connection=connection, serializer=JSONSerializer)
         self.on_enqueued = on_enqueued
+        self._enqueue = connection.register_script(_ENQUEUE)
 
     @staticmethod
     def payload(request: GenerateRequest, prompt_token_ids: list[int], stream: bool = True) -> JobPayload:
@@ -122,19 +147,24 @@ class JobStore:
         self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
         stream: bool = True,
     ) -> tuple[str, JobState]:
-        """Queue an interactive job for `owner` (a Caller's tenant); `stream` false: nobody will follow its deltas."""
-        if self.queue.count >= self.settings.max_queue_depth:
-            raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
+        """Queue an interactive job for `owner` (a Caller's tenant) in one script call (see _ENQUEUE);
+        `stream` false: nobody will follow its deltas."""
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
             self.queue, seq_id, self.payload(request, prompt_token_ids, stream),
             {BODY_HASH_META_KEY: body_hash, OWNER_META_KEY: owner}, self.settings.result_ttl_s,
         )
-        try:
-            self.queue.enqueue_job(job, unique=True)
-        except DuplicateJobError:
+        # What Queue.enqueue_job sets before saving (origin, enqueued_at, status queued).
+        self.queue._prepare_for_queue(job)
+        outcome = self._enqueue(
+            keys=[job.key, self.queue.key, self.queue.redis_queues_keys],
+            args=[job.id, self.settings.max_queue_depth, job.ttl if job.ttl is not None else -1, *_build_hset_args(job)],
+        )
+        if outcome == 0:
             return seq_id, self._replay(seq_id, body_hash)
+        if outcome == -1:
+            raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
         self.on_enqueued(self.queue.name, 1)
         return seq_id, "queued"
 

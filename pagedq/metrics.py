@@ -19,12 +19,14 @@ Each process has its own registry (several apps may share a test process).
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -265,7 +267,14 @@ class ApiMetrics:
             PREFIX + "jobs_submitted", "Jobs enqueued, by queue.", ["queue"], registry=self.registry
         )
         self.batches_created = Counter(PREFIX + "batches_created", "Batches created.", registry=self.registry)
-        self.registry.register(_QueueDepths(queue_depths))
+        self.queue_depths = _QueueDepths(queue_depths)
+        self.registry.register(self.queue_depths)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        # Several api processes (`pagedq api --workers N`): every process's counters, summed.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        registry.register(self.queue_depths)
+        return generate_latest(registry)

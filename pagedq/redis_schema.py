@@ -135,36 +135,99 @@ EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # {"type": "reset", "attempt": "A"}: a retried attempt starts over: drop the text received so far
 EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
 
+# ---- fencing -----------------------------------------------------------------------
+# A worker writes for a job (stream events, progress, result, status) only while its
+# execution still owns the job: the job hash says STARTED, by this execution (the batch
+# worker records its execution's composite key in the job hash, EXECUTION_FIELD, in the
+# transaction that starts it). A job reaped after its worker's heartbeats stopped goes back
+# to QUEUED (or FAILED), and a rerun records its own execution, so a worker that stalled
+# past its heartbeat TTL and wakes up writes nothing for the jobs it lost. The check runs
+# in the same script as the writes. One HMGET: the check runs for every job each step.
+# `owns(job hash, execution composite key)`; an empty key means unfenced (RQ's own worker
+# running worker.jobs.generate owns its one job).
+EXECUTION_FIELD = "pagedq_execution"
+_OWNS_LUA = f"""
+local function owns(job_key, execution)
+    if execution == '' then return true end
+    local job = redis.call('HMGET', job_key, 'status', '{EXECUTION_FIELD}')
+    return job[1] == '{JobStatus.STARTED.value}' and job[2] == execution
+end
+"""
+# owns() skips its check.
+UNFENCED = ""
+
+
+def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
+    """In the transaction that starts the job: from now on only this execution owns it."""
+    pipeline.hset(job.key, EXECUTION_FIELD, composite_key)
+
+
 # Writes one engine step's deltas and partial results in one round trip, whatever the
 # number of jobs: on a small model the worker's Redis traffic would otherwise cost as much
 # as the step itself.
-# KEYS: the stream of each delta (a job with n > 1 outputs has a delta per output), then
-# the job hashes getting a partial result. ARGV: the stream TTL, the number of deltas,
-# (index, text, num_tokens, new, logprobs) per delta, then the serialized job.meta per job
-# hash. `logprobs` is "" unless the job asked for them: then the JSON list of the delta's
-# new tokens (the delta event's `logprobs` field). A stream's TTL is set by its first delta
-# (new = 1) and kept by XADD. A meta is written only if its job still exists: a write to a
-# deleted job would recreate its hash.
-PUBLISH_STEP_SCRIPT = f"""
-local ttl, deltas = ARGV[1], tonumber(ARGV[2])
-for i = 1, deltas do
-    local at = 5 * i - 2
-    if ARGV[at + 4] == '' then
-        redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+# KEYS: per job, its hash and its stream. ARGV: the stream TTL, then per job: its
+# execution's composite key (owns() above), its serialized job.meta ('' when no partial
+# result is due), its number of deltas (a job with n > 1 outputs has one per output) and
+# (index, text, num_tokens, new, logprobs) per delta. `logprobs` is "" unless the job asked
+# for them: then the JSON list of the delta's new tokens (the delta event's `logprobs`
+# field). A stream's TTL is set by its first delta (new = 1) and kept by XADD. A job whose execution no longer owns it gets nothing
+# written; the script returns those jobs' positions (1-based).
+PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
+local ttl, at, lost = ARGV[1], 2, {{}}
+for j = 1, #KEYS / 2 do
+    local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
+    local execution, meta, deltas = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+    local mine = owns(job_key, execution)
+    at = at + 3
+    if not mine then
+        lost[#lost + 1] = j
+        at = at + 5 * deltas
     else
-        redis.call('XADD', KEYS[i], '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
-                   'logprobs', ARGV[at + 4])
-    end
-    if ARGV[at + 3] == '1' then
-        redis.call('EXPIRE', KEYS[i], ttl)
+        for d = 1, deltas do
+            if ARGV[at + 4] == '' then
+                redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+            else
+                redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
+                           'logprobs', ARGV[at + 4])
+            end
+            if ARGV[at + 3] == '1' then
+                redis.call('EXPIRE', stream, ttl)
+            end
+            at = at + 5
+        end
+        -- A meta is written only if the job still exists: a write to a deleted job would
+        -- recreate its hash (owns() has seen it exist, unless unfenced).
+        if meta ~= '' and (execution ~= '' or redis.call('EXISTS', job_key) == 1) then
+            redis.call('HSET', job_key, 'meta', meta)
+        end
     end
 end
-for i = deltas + 1, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('HSET', KEYS[i], 'meta', ARGV[4 * deltas + i + 2])
+return lost
+"""
+
+# Runs, for each job its execution still owns (owns() above), the commands given for it:
+# what RQ's success path would have sent in its own transaction (redis-py queues them
+# on a pipeline that is never executed; their arguments come here), then the stream's
+# "end". One round trip for every job finished in an engine step, atomic with the check.
+# KEYS: per job, its hash. ARGV: per job: its execution's composite key, its number of
+# commands, then per command its argument count and arguments. Returns the positions
+# (1-based) of the jobs it wrote nothing for.
+FENCED_COMMANDS_SCRIPT = _OWNS_LUA + """
+local at, lost = 1, {}
+for j = 1, #KEYS do
+    local mine = owns(KEYS[j], ARGV[at])
+    local commands = tonumber(ARGV[at + 1])
+    at = at + 2
+    if not mine then lost[#lost + 1] = j end
+    for c = 1, commands do
+        local argc = tonumber(ARGV[at])
+        if mine then
+            redis.call(unpack(ARGV, at + 1, at + argc))
+        end
+        at = at + 1 + argc
     end
 end
-return #KEYS
+return lost
 """
 
 

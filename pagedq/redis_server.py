@@ -41,6 +41,8 @@ class RedisServer:
     data_dir: Path
     port: int = field(default_factory=free_port)
     executable: str = field(default_factory=find_redis_server)
+    # More redis-server options (e.g. ["--replicaof", "127.0.0.1", "6379"]).
+    extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
     _dir_lock: IO | None = field(default=None, init=False, repr=False)
 
@@ -54,6 +56,7 @@ class RedisServer:
         args = [
             self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
+            *self.extra_args,
         ]
         log = open(self.data_dir / "redis.log", "ab")
         # Its own session: a terminal's Ctrl-C goes to `pagedq up` alone, which stops Redis

@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -17,8 +21,8 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from pagedq.redis_server import RedisServer
-from tests.service_helpers import ApiServer, service_settings
+from pagedq.redis_server import RedisServer, free_port
+from tests.service_helpers import ApiServer, service_settings, wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-8f3a1c"
@@ -284,6 +288,34 @@ def test_generation_config_sets_the_defaults_of_omitted_sampling_fields(model, r
         server.stop()
 
 
+def test_queue_depth_limit_is_exact_under_concurrent_submits(model, redis_server, tmp_path):
+    """The depth check and the enqueue are one atomic step: 400 submits at once, spread over
+    three api servers, against room for 100 accept exactly 100 (checking, then enqueueing,
+    let 101-103 in)."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="exact-queue", max_queue_depth=100)
+    servers = [ApiServer(settings.with_overrides(port=free_port())).start() for _ in range(3)]
+
+    async def submit_all() -> list[int]:
+        clients = [httpx.AsyncClient(base_url=server.url, timeout=60, limits=httpx.Limits(max_connections=400))
+                   for server in servers]
+        try:
+            responses = await asyncio.gather(
+                *(clients[i % 3].post("/generate", json={"prompt": f"p{i}"}) for i in range(400))
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        return [response.status_code for response in responses]
+
+    try:
+        statuses = asyncio.run(submit_all())
+        assert (statuses.count(202), statuses.count(429)) == (100, 300)
+        assert Queue("exact-queue", connection=Redis.from_url(redis_server.url)).count == 100
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_redis_going_away_gives_503_then_recovers(model, tmp_path):
     redis_server = RedisServer(tmp_path / "redis").start()
     server = ApiServer(service_settings(model, redis_server.url, tmp_path, queue_name="outage")).start()
@@ -337,3 +369,40 @@ def test_more_concurrent_requests_than_redis_connections_wait_for_one(model, red
     streams, results = responses[:40], responses[40:]
     assert all('"status": "canceled"' in r.text for r in streams)
     assert all(r.json()["status"] == "canceled" for r in results)
+
+
+def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_server, tmp_path):
+    """`pagedq api --workers 2`: two uvicorn worker processes behind one port; /metrics
+    from either counts every process's requests; SIGTERM stops them all cleanly."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="two-apis")
+    env = {**os.environ, **settings.to_env()}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    with open(tmp_path / "api.log", "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "pagedq.cli", "api", "--workers", "2"], env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{settings.port}"
+    try:
+        log = tmp_path / "api.log"
+        wait_until(lambda: log.read_text().count("Application startup complete") == 2, 120, "both api processes to start",
+                   interval_s=0.2)
+        # Twenty connections held open, each served by the process that accepted it (the
+        # kernel spreads them); each submits once, then each scrapes: whichever process
+        # answers, it counts every process's submits.
+        clients = [httpx.Client(base_url=url, timeout=10) for _ in range(20)]
+        try:
+            for i, client in enumerate(clients):
+                assert client.post("/generate", json={"prompt": f"p{i}"}).status_code == 202
+            scrapes = ['pagedq:jobs_submitted_total{queue="two-apis"} 20.0' in client.get("/metrics").text
+                       for client in clients]
+        finally:
+            for client in clients:
+                client.close()
+        assert scrapes == [True] * 20
+        api.send_signal(signal.SIGTERM)
+        assert api.wait(30) == 0
+        assert log.read_text().count("Application shutdown complete") == 2
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
+

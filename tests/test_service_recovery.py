@@ -161,3 +161,45 @@ def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model
     ran_on = {job.worker_name for job in jobs(redis, late_ids + long_ids)}
     drained = Job.fetch(short_id, connection=redis, serializer=JSONSerializer).worker_name
     assert len(ran_on) == 2 and drained not in ran_on
+
+
+def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model):
+    """Fencing: SIGSTOP a worker mid-generation until a second worker has reaped and rerun
+    its jobs, then SIGCONT it: it runs a step and tries to publish and finish before it
+    learns the jobs are gone; every such write is refused by Redis (the execution no
+    longer owns its job). Each rerun's stream is its final text, nothing after `end`, and
+    the partial result never goes back to attempt 1."""
+    client, redis_server, start_worker, api = service
+    redis = Redis.from_url(redis_server.url)
+    stalled = start_worker(heartbeat_ttl_s=2)
+    first = wait_for_worker(api.url)["name"]
+    requests = long_requests(16, max_tokens=250)
+    seq_ids = [client.submit(**body)["seq_id"] for body in requests]
+    wait_until(lambda: all(len(client.result(s)["token_ids"]) > 0 for s in seq_ids), 30, "all 16 generating")
+
+    stalled.process.send_signal(signal.SIGSTOP)
+    try:
+        start_worker(heartbeat_ttl_s=2)
+        # Rerun elsewhere: every job started again by the second worker.
+        wait_until(
+            lambda: all(job.get_status(refresh=False) in ("started", "finished") and job.worker_name != first
+                        for job in jobs(redis, seq_ids)),
+            60, "the second worker to rerun all 16",
+        )
+    finally:
+        stalled.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: all(client.result(s)["status"] == "finished" for s in seq_ids), 60, "all 16 to finish")
+    wait_until(lambda: "no longer ours" in stalled.log() or "dropped" in stalled.log(), 30, "the stalled worker to notice")
+    time.sleep(0.5)  # anything it still had to send has gone out (and been refused)
+
+    assert_finished_once(client, redis, seq_ids, offline_greedy(model, requests))
+    for seq_id, job in zip(seq_ids, jobs(redis, seq_ids)):
+        events = [(fields[b"type"].decode(), fields) for _, fields in redis.xrange(f"pagedq:stream:{seq_id}")]
+        kinds = [kind for kind, _ in events]
+        assert kinds.count("end") == 1 and kinds[-1] == "end", (seq_id, kinds[-5:])
+        rerun = max(i for i, kind in enumerate(kinds) if kind == "reset")
+        text = "".join(fields[b"text"].decode() for kind, fields in events[rerun:] if kind == "delta")
+        counts = [int(fields[b"num_tokens"]) for kind, fields in events[rerun:] if kind == "delta"]
+        assert text == client.result(seq_id)["text"]
+        assert counts == sorted(counts)  # no stale `... 52 53 8 54 ...`
+        assert job.meta["progress"]["attempt"] == 2

@@ -48,6 +48,8 @@ class PeerRun:
     token_ids: list[list[int]]
     computed_tokens: int
     seconds: float
+    # CPU time of this process (all its threads) over the timed pass: for in-process peers, what the pass cost the machine.
+    cpu_seconds: float | None = None
 
     @property
     def requests(self) -> int:
@@ -68,6 +70,7 @@ class PeerRun:
             "output_tokens": self.output_tokens,
             "computed_tokens": self.computed_tokens,
             "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
             "output_tokens_per_s": self.tokens_per_s,
             "counting_rule": self.counting_rule,
         }
@@ -85,10 +88,11 @@ def measure(peer: Peer, workload: Workload, device: torch.device, progress: bool
     try:
         peer.generate(workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), progress=False)
         _synchronize(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         generation = peer.generate(workload, progress)
         _synchronize(device)
         seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
     finally:
         peer.close()
-    return PeerRun(peer.name, peer.counting_rule, generation.token_ids, generation.computed_tokens, seconds)
+    return PeerRun(peer.name, peer.counting_rule, generation.token_ids, generation.computed_tokens, seconds, cpu_seconds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import ssl
 import tempfile
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = load.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=positive_int, help="at most this many requests in flight")
     load.add_argument("--request-rate", type=positive_float, metavar="PER_S", help="Poisson arrivals at this rate")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="clients follow GET /stream (default); --no-stream: they long-poll GET /result?wait= "
+                        "for the whole text (no TTFT, TPOT or ITL then)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run pagedq's offline engine on the same workload and print the ratio (default on)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
@@ -56,8 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- the client side ----------------------------------------------------------------
 
 
+# How long one GET /result?wait= of a --no-stream client waits (the api caps it at PAGEDQ_MAX_WAIT_S).
+_RESULT_WAIT_S = 30
+
+
 async def _one_request(
-    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, temperature: float, timing: RequestTiming
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, temperature: float, timing: RequestTiming,
+    stream: bool = True,
 ) -> None:
     body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
     timing.sent = time.perf_counter()
@@ -67,6 +76,9 @@ async def _one_request(
             timing.error = f"POST /generate: HTTP {response.status_code}: {response.text[:200]}"
             return
         seq_id = response.json()["seq_id"]
+        if not stream:
+            await _poll_result(client, seq_id, timing)
+            return
         parser = SSEParser()
         async with client.stream("GET", f"/stream/{seq_id}") as stream:
             if stream.status_code != 200:
@@ -94,8 +106,27 @@ async def _one_request(
         timing.error = f"{type(exc).__name__}: {exc}"
 
 
+async def _poll_result(client: httpx.AsyncClient, seq_id: str, timing: RequestTiming) -> None:
+    """A client that does not stream: long-polls the result until the job ends."""
+    while True:
+        response = await client.get(f"/result/{seq_id}", params={"wait": _RESULT_WAIT_S})
+        if response.status_code != 200:
+            timing.error = f"GET /result: HTTP {response.status_code}"
+            return
+        result = response.json()
+        if result["status"] in ("queued", "running"):
+            continue
+        if result["status"] != "finished":
+            timing.error = f"job {seq_id} ended {result['status']}"
+            return
+        timing.finished = time.perf_counter()
+        timing.output_tokens = len(result["token_ids"])
+        return
+
+
 async def _run_load(
-    base_url: str, api_key: str | None, workload: Workload, concurrency: int | None, request_rate: float | None
+    base_url: str, api_key: str | None, workload: Workload, concurrency: int | None, request_rate: float | None,
+    stream: bool = True,
 ) -> tuple[list[RequestTiming], float]:
     timings = [RequestTiming(sent=0.0) for _ in workload.prompts]
     gate = asyncio.Semaphore(concurrency or len(timings))
@@ -120,7 +151,8 @@ async def _run_load(
             client = idle.pop()
             try:
                 await _one_request(
-                    client, workload.prompts[index], workload.output_lens[index], workload.temperature, timings[index]
+                    client, workload.prompts[index], workload.output_lens[index], workload.temperature, timings[index],
+                    stream,
                 )
             finally:
                 idle.append(client)
@@ -139,14 +171,33 @@ async def _run_load(
             await client.aclose()
 
 
-def measure_service(base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace) -> dict:
-    """Warm the service up (not timed), then run the workload; latency.summarize()'s dict."""
-    warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None))
+def _cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_service(
+    base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace, processes: dict[str, int] | None = None
+) -> dict:
+    """Warm the service up (not timed), then run the workload; latency.summarize()'s dict,
+    with `cpu_s`: the CPU seconds each of `processes` (name: pid) and this client spent on
+    the timed run (CPU time, unlike wall time, does not depend on what else the machine runs)."""
+    stream = getattr(args, "stream", True)
+    warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None, stream))
     failed = [t.error for t in warmup if not t.ok]
     if failed:
         raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
-    timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate))
+    processes = processes or {}
+    cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+    client_before = time.process_time()
+    timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate, stream))
     summary = summarize(timings, duration)
+    summary["cpu_s"] = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items() if cpu_before[name] is not None}
+    summary["cpu_s"]["client"] = time.process_time() - client_before
     summary["errors"] = sorted({t.error for t in timings if t.error})
     return summary
 
@@ -179,8 +230,11 @@ def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
                 service.start()
             except StartupFailed as exc:
                 raise CommandError(f"{exc}; its log:\n{log_path.read_text()[-4000:]}") from None
+            processes = {"worker": service.children[1].pid, "api": service.children[0].pid}
+            if service.redis_server is not None and service.redis_server.process is not None:
+                processes["redis"] = service.redis_server.process.pid
             try:
-                summary = measure_service(service.settings.base_url, None, workload, args)
+                summary = measure_service(service.settings.base_url, None, workload, args, processes)
             finally:
                 service.stop()
     return summary, "its own service on this machine: Redis, `pagedq api`, one `pagedq worker`"
@@ -223,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             else f"Poisson {args.request_rate}/s" if args.request_rate else "all requests at once")
     print(f"model {args.model}; {workload.num_requests} requests, input {workload.input_len}, output "
           f"{workload.output_len}, {'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, "
-          f"ignore_eos; load: {load}", flush=True)
+          f"ignore_eos; load: {load}; clients {'stream' if args.stream else 'poll results (--no-stream)'}", flush=True)
 
     serve, served_by = _serve(args, workload)
     print(f"served by {served_by}", flush=True)
@@ -241,6 +295,15 @@ def run(args: argparse.Namespace) -> int:
     ratio = serve["output_tokens_per_s"] / offline["output_tokens_per_s"] if offline else None
     if ratio is not None:
         print(f"\nserve / offline output throughput: {ratio:.2f}x")
+    if serve.get("cpu_s"):
+        cpu = serve["cpu_s"]
+        line = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
+        print(f"CPU seconds of the timed serve run: {line}", end="")
+        if offline is not None and offline.get("cpu_seconds"):
+            service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
+            print(f"; offline {offline['cpu_seconds']:.1f}; service (worker + api + redis) / offline: "
+                  f"{service_cpu / offline['cpu_seconds']:.2f}x", end="")
+        print()
     if args.json:
         write_json(args.json, args, {
             "device": device_description(device),
@@ -249,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
             "model": model_description(args.model, hf_config),
             "workload": workload.summary(),
             "load": load,
+            "stream": args.stream,
             "served_by": served_by,
             "serve": serve,
             "offline": offline,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +32,8 @@ def register(subparsers) -> None:
 
     api = subparsers.add_parser("api", help="serve the HTTP api (uvicorn)")
     _server_flags(api)
+    api.add_argument("--workers", type=int, default=1,
+                     help="api processes sharing the port (uvicorn workers; default 1): more cores for submits and streams")
     api.set_defaults(handler=cmd_api)
 
     worker = subparsers.add_parser("worker", help="run a batch worker: one engine, many RQ jobs at once")
@@ -117,11 +121,22 @@ def cmd_api(args: argparse.Namespace) -> int:
     from api.app import create_app
 
     settings = _settings(args)
+    if args.workers < 1:
+        raise CommandError("--workers must be at least 1")
     try:
         app = create_app(settings)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    if args.workers == 1:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+        return 0
+    # Each worker process builds its own app from these settings (as PAGEDQ_* variables);
+    # their Prometheus counters meet in one directory, so any of them answers /metrics for all.
+    with tempfile.TemporaryDirectory(prefix="pagedq-api-metrics-") as metrics_dir:
+        os.environ.update(settings.to_env())
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        uvicorn.run("api.app:app_from_environment", factory=True, workers=args.workers,
+                    host=settings.host, port=settings.port, log_level="info")
     return 0
 
 

@@ -9,18 +9,25 @@ replaces the work loop. One tick:
    checked often) and the ids a dead worker took from a queue but never started, and read
    the suspension flag;
 2. heartbeat, when due: the worker and every execution, in one pipeline;
-3. step the engine once;
-4. one round trip to Redis (`_sync_with_redis`): every job's new text goes to its stream,
-   the engine stats to the worker's hash, the api's cancel counter comes back, and so do
-   up to the free capacity of new job ids (taken only while the engine has no backlog,
-   so queued jobs stay in Redis for other workers): from the interactive queue first, then
-   from the batch queue (redis_schema.batch_queue_name), whose jobs never fill the slots
-   reserved for interactive ones (`reserved_interactive_slots`). Jobs no longer ours (canceled,
-   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks
-   at once; a job named by RQ's stop-job command fails as STOPPED;
-5. finish completed jobs through RQ's success path;
-6. mark the new jobs started in one transaction and hand them to the engine (or, idle,
-   block on the queue for a second).
+3. queue the round trip of what the previous step produced (`_send_sync`) and hand it to
+   the I/O thread: every job's new text to its stream and partial result to its hash, the
+   results of the jobs it finished (RQ's success writes, one script call for all of them)
+   with their streams' "end", the engine stats to the worker's hash, and _SYNC: the api's
+   cancel counter, which in-flight jobs are no longer ours, and up to the free capacity of
+   new job ids (taken only while the engine has no backlog, so queued jobs stay in Redis
+   for other workers): from the interactive queue first, then from the batch queue
+   (redis_schema.batch_queue_name), whose jobs never fill the slots reserved for
+   interactive ones (`reserved_interactive_slots`). The I/O thread then marks the new
+   jobs started in one transaction;
+4. step the engine once, while that round trip runs: the engine never waits for Redis;
+5. take the round trip's answer (`_complete_sync`): jobs no longer ours (canceled,
+   deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks;
+   a job named by RQ's stop-job command fails as STOPPED; finished jobs are forgotten; the
+   started ones go to the engine (or, idle, block on the queue for a second).
+
+Every write for a job is fenced: it happens only if the job's execution still owns it,
+checked in the same script (redis_schema's owns()), so a worker that stalled past its
+heartbeat TTL, and whose jobs were rerun elsewhere, writes nothing for them when it wakes.
 
 Metrics (pagedq.metrics, on `metrics_port`) cost the loop a few additions per output.
 
@@ -28,7 +35,7 @@ Each execution is its own engine request (its id is the request id), so a job th
 back to this worker after being requeued can never be confused with its earlier run.
 
 Redis going away: every Redis error is retried a second later, forever; the engine pauses
-(a tick fails at its first Redis call) and what was not yet published or finished is kept
+(a tick fails when its round trip does) and what was not yet published or finished is kept
 and sent once Redis answers. Heartbeats go first after an outage, so a short one does not get
 this worker's jobs reaped; after a long one they are requeued and run again, once.
 
@@ -42,7 +49,8 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import redis.exceptions
@@ -55,21 +63,25 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.utils import as_text
+from rq.utils import now as utcnow
 from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
+from pagedq.redis_connection import connect
 from pagedq.redis_schema import (
+    FENCED_COMMANDS_SCRIPT,
     JOB_FUNCTION,
     InvalidJob,
-    JobState,
+    Progress,
     RequestFailed,
     batch_queue_name,
     cancels_key,
     publish_end,
+    record_execution,
 )
 from pagedq.settings import Settings
-from worker.rq.publisher import ProgressPublisher
+from worker.rq.publisher import ProgressPublisher, Sending, start_progress
 
 if TYPE_CHECKING:
     from pagedq.engine import LLMEngine
@@ -129,8 +141,11 @@ class InFlight:
     execution: Execution
     payload: JobPayload
     started_at: float
-    # The engine's final output, kept until RQ has recorded the result.
+    # The engine's final output and the result made of it, kept until RQ has recorded the result.
     final: RequestOutput | None = None
+    result: GenerationResult | None = None
+    # Why the request failed alone (its result is then never built).
+    error: str | None = None
     # For the inter-token latency: tokens seen so far, and when the last one came.
     num_tokens: int = 0
     last_token_at: float = 0.0
@@ -138,6 +153,29 @@ class InFlight:
     @property
     def request_id(self) -> str:
         return self.execution.id
+
+
+@dataclass
+class _Started:
+    """A job the I/O thread marked started, for the engine thread to hand to the engine."""
+
+    job: Job
+    execution: Execution
+    payload: JobPayload | None = None
+    progress: Progress | None = None
+    # Its payload could not be read: the job fails (never retried).
+    error: tuple | None = None
+
+
+@dataclass
+class _PendingSync:
+    """One round trip on its way: what it carries, and its future (replies, jobs started)."""
+
+    checked: list[InFlight]
+    full: bool
+    sending: Sending = field(default_factory=Sending)
+    finishing: list[InFlight] = field(default_factory=list)
+    future: Future | None = None
 
 
 class BatchWorker(BaseWorker):
@@ -176,6 +214,8 @@ class BatchWorker(BaseWorker):
         self._next_heartbeat = 0.0
         self._next_full_check = 0.0
         self._cancels_seen = b""
+        # Runs each tick's Redis round trip while the engine steps.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
 
     # ---- RQ hooks -------------------------------------------------------------------
 
@@ -241,6 +281,7 @@ class BatchWorker(BaseWorker):
             self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
         finally:
+            self._io.shutdown(wait=True)
             self.teardown()
 
     def _tick(self) -> None:
@@ -248,15 +289,17 @@ class BatchWorker(BaseWorker):
             self._reap()
         if time.monotonic() >= self._next_heartbeat:
             self._heartbeat()
+        # The previous step's round trip (its deltas, finished jobs' results, checks, new
+        # jobs started) runs on the I/O thread while the engine computes this step.
+        pending = self._send_sync()
         if self.engine.has_unfinished_requests():
             self._step()
-        # After the step: its deltas go out, and jobs it finished are checked before RQ records them.
-        taken = self._sync_with_redis()
-        self._finish_jobs()
-        if taken:
-            self._start_jobs(taken)
-        elif not self.engine.has_unfinished_requests():
+        started = self._complete_sync(pending)
+        if not started and not self.engine.has_unfinished_requests() and not self._has_finals():
             self._wait_for_work()
+
+    def _has_finals(self) -> bool:
+        return any(entry.final is not None for entry in self.inflight.values())
 
     def _reap(self) -> None:
         """Requeue (or fail, when out of retries) the jobs of workers that stopped beating,
@@ -309,59 +352,114 @@ class BatchWorker(BaseWorker):
 
     # ---- admission and in-flight checks --------------------------------------------
 
-    def _sync_with_redis(self, admit: bool = True, full: bool = False) -> list[str]:
-        """One round trip: publish the step's deltas, drop the jobs no longer ours, and
-        take new job ids (while admitting: capacity left and no backlog in the engine, so
-        queued jobs stay in Redis for other workers). Then stop those asked to stop.
+    def _sync_with_redis(self, admit: bool = True, full: bool = False) -> None:
+        """One round trip, waited for (see _send_sync)."""
+        self._complete_sync(self._send_sync(admit, full))
+
+    def _send_sync(self, admit: bool = True, full: bool = False) -> _PendingSync:
+        """Queue one round trip and start it on the I/O thread: the step's deltas and
+        partial results (fenced), the results of the jobs it finished (RQ's success
+        writes, fenced, then each stream's "end"), the engine stats, and _SYNC: the
+        cancel counter, which in-flight jobs are no longer ours, and new job ids (while
+        admitting: capacity left and no backlog in the engine, so queued jobs stay in
+        Redis for other workers), which the I/O thread then marks started.
 
         Every in-flight job is checked when the api's cancel counter moved (so a cancel
-        aborts its job before the next engine step), every reaper interval (cancels made
-        through RQ directly), and after a Redis outage; in between only the jobs about to
-        be finished are, so a job reaped after a stall and rerun elsewhere never finishes
-        here too."""
+        aborts its job within a step), every reaper interval (cancels made through RQ
+        directly), and after a Redis outage. Writes need no check of their own: each is
+        fenced (owns() in redis_schema), so a job reaped after a stall and rerun elsewhere
+        never gets a write from here."""
+        self._fail_alone([entry for entry in self.inflight.values() if entry.final is not None and not self._result_of(entry)])
         entries = list(self.inflight.values())
         full = full or time.monotonic() >= self._next_full_check
         take = batch_take = 0
+        running = [entry for entry in entries if entry.final is None]
         if admit and not self._draining and not self._suspended and self.engine.stats()["num_waiting"] == 0:
-            # Jobs the engine has finished are recorded in this tick: their slots are free already.
-            running = [entry for entry in entries if entry.final is None]
+            # Jobs the engine has finished are recorded in this round trip: their slots are free already.
             take = max(0, self.capacity - len(running))
             batch_take = max(0, self.batch_capacity - sum(entry.queue is self.batch_queue for entry in running))
-        checked = entries if full else [entry for entry in entries if entry.final is not None]
-        cancels, lost, taken = self._redis_sync(checked, take, batch_take, publish=True)
+        pending = _PendingSync(checked=running if full else [], full=full)
+        by_job_id = {entry.job.id: entry for entry in entries}
+        pipeline = self.connection.pipeline(transaction=False)
+        pending.sending = self.publisher.publish(pipeline, lambda job_id: by_job_id[job_id].execution.composite_key)
+        pending.finishing = [entry for entry in entries if entry.final is not None]
+        if pending.finishing:
+            self._queue_successes(pipeline, pending.finishing)
+        self._publish_engine_stats(pipeline)
+        keys = [cancels_key(self.queue.name)]
+        for queue in self.queues:
+            keys += [queue.key, queue.intermediate_queue_key]
+        for entry in pending.checked:
+            keys += [entry.job.key, entry.queue.started_job_registry.key]
+        args = [JobStatus.STARTED.value, self.name, take, len(self.queues), take, batch_take,
+                *(entry.execution.composite_key for entry in pending.checked)]
+        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+        pipeline.eval(_SYNC, len(keys), *keys, *args)
+        pending.future = self._io.submit(self._run_sync, pipeline)
+        return pending
+
+    def _run_sync(self, pipeline) -> tuple[list, list[_Started], Exception | None]:
+        """On the I/O thread: the round trip, then the start of the jobs it took. A Redis
+        error in the start comes back beside the round trip's replies: what the round
+        trip wrote is written (its text must not be sent twice); the ids taken but not
+        started are requeued by a reaper, as a dead worker's are."""
+        with pipeline:
+            replies = pipeline.execute()
+        taken = [as_text(i) for i in replies[-1][2]]
+        try:
+            return replies, self._start_jobs(taken) if taken else [], None
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            return replies, [], exc
+
+    def _complete_sync(self, pending: _PendingSync) -> bool:
+        """Wait for the round trip and act on what it says; True if jobs were started."""
+        try:
+            replies, started, start_error = pending.future.result()
+        except BaseException:
+            self.publisher.failed(pending.sending)
+            raise
+        at = 0
+        lost_ids: list[str] = []
+        if pending.sending.queued:
+            lost_ids = self.publisher.published(pending.sending, replies[at])
+            at += 1
+        if pending.finishing:
+            self._record_successes(pending.finishing, replies[at])
+        cancels, lost_positions, _, depths = replies[-1]
+        self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, depths)}
+        lost = {pending.checked[position - 1].request_id: pending.checked[position - 1] for position in lost_positions}
+        for entry in self.inflight.values():
+            if entry.job.id in lost_ids:
+                lost[entry.request_id] = entry
+        full = pending.full
         if not full and cancels != self._cancels_seen:
-            _, lost, _ = self._redis_sync(entries, 0, 0)
+            # A job was canceled somewhere: look at every one of ours now.
+            self._check_all(lost)
             full = True
         self._cancels_seen = cancels
         if full:
             self._next_full_check = time.monotonic() + self.settings.reaper_interval_s
         if lost:
-            self._drop(lost)
+            self._drop([entry for entry in lost.values() if entry.request_id in self.inflight])
         if self._stop_requests:
             self._stop_jobs()
-        return taken
+        for item in started:
+            self._hand_to_engine(item)
+        if start_error is not None:
+            raise start_error
+        return bool(started)
 
-    def _redis_sync(
-        self, checked: list[InFlight], take: int, batch_take: int, publish: bool = False
-    ) -> tuple[bytes, list[InFlight], list[str]]:
+    def _check_all(self, lost: dict[str, InFlight]) -> None:
+        running = [entry for entry in self.inflight.values() if entry.final is None]
         keys = [cancels_key(self.queue.name)]
         for queue in self.queues:
             keys += [queue.key, queue.intermediate_queue_key]
-        for entry in checked:
+        for entry in running:
             keys += [entry.job.key, entry.queue.started_job_registry.key]
-        args = [JobStatus.STARTED.value, self.name, take, len(self.queues), take, batch_take,
-                *(entry.execution.composite_key for entry in checked)]
-        with self.connection.pipeline(transaction=False) as pipeline:
-            if publish:
-                self.publisher.publish(pipeline)
-                self._publish_engine_stats(pipeline)
-            # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
-            pipeline.eval(_SYNC, len(keys), *keys, *args)
-            cancels, lost_positions, taken, depths = pipeline.execute()[-1]
-        if publish:
-            self.publisher.published()
-        self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, depths)}
-        return cancels, [checked[position - 1] for position in lost_positions], [as_text(i) for i in taken]
+        args = [JobStatus.STARTED.value, self.name, 0, len(self.queues), 0, 0, *(entry.execution.composite_key for entry in running)]
+        _, lost_positions, _, _ = self.connection.eval(_SYNC, len(keys), *keys, *args)
+        for position in lost_positions:
+            lost[running[position - 1].request_id] = running[position - 1]
 
     def _wait_for_work(self) -> None:
         """Idle: block on the queue for a while (or just wait, when not admitting)."""
@@ -370,10 +468,13 @@ class BatchWorker(BaseWorker):
             return
         first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
         if first is not None:
-            self._start_jobs([as_text(first)])
+            for item in self._start_jobs([as_text(first)]):
+                self._hand_to_engine(item)
 
-    def _start_jobs(self, ids: list[str]) -> None:
-        """Mark the taken jobs started in one transaction, then hand them to the engine."""
+    def _start_jobs(self, ids: list[str]) -> list[_Started]:
+        """Mark the taken jobs started in one transaction, with each one's first progress
+        (its attempt number; a "reset" event on a rerun): RQ's bookkeeping only, no
+        engine (this runs on the I/O thread)."""
         with self.connection.pipeline() as pipeline:
             while True:
                 try:
@@ -381,7 +482,7 @@ class BatchWorker(BaseWorker):
                     pipeline.watch(*(Job.key_for(i) for i in ids))
                     jobs = Job.fetch_many(ids, self.connection, serializer=self.serializer)
                     pipeline.multi()
-                    started: list[tuple[Job, Execution]] = []
+                    started: list[_Started] = []
                     for job_id, job in zip(ids, jobs):
                         queues = [self._queues_by_name.get(job.origin, self.queue)] if job is not None else self.queues
                         for queue in queues:
@@ -390,32 +491,37 @@ class BatchWorker(BaseWorker):
                             continue  # deleted or canceled while in transit
                         execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
                         job.prepare_for_execution(self.name, pipeline)
-                        started.append((job, execution))
+                        record_execution(pipeline, job, execution.composite_key)
+                        item = _Started(job, execution)
+                        try:
+                            if job.func_name != JOB_FUNCTION:
+                                raise InvalidJob(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
+                            item.payload = JobPayload.read(job.kwargs)
+                            item.progress = start_progress(pipeline, job, len(item.payload.prompt_token_ids), self.settings.stream_ttl_s)
+                        except Exception:
+                            item.error = sys.exc_info()
+                        started.append(item)
                     self.set_state(WorkerStatus.BUSY, pipeline)
                     pipeline.execute()
-                    break
+                    return started
                 except redis.exceptions.WatchError:
                     continue
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for job, execution in started:
-                self.executions[execution.id] = execution
-                self._hand_to_engine(job, execution, pipeline)
-            pipeline.execute()
 
-    def _hand_to_engine(self, job: Job, execution: Execution, pipeline) -> None:
+    def _hand_to_engine(self, item: _Started) -> None:
+        job, execution = item.job, item.execution
         queue = self._queues_by_name.get(job.origin, self.queue)
+        self.executions[execution.id] = execution
         try:
-            if job.func_name != JOB_FUNCTION:
-                raise InvalidJob(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
-            payload = JobPayload.read(job.kwargs)
-            payload.add_to(self.engine, execution.id)
+            if item.error is not None:
+                raise item.error[1]
+            item.payload.add_to(self.engine, execution.id)
         except Exception:
             # Bad input (InvalidJob: the client's error) fails the same way on every attempt: never retried.
             job.retries_left = 0
             self._finalize_failure(job, queue, execution, sys.exc_info())
             return
-        self.inflight[execution.id] = InFlight(job, queue, execution, payload, started_at=time.time())
-        self.publisher.start(pipeline, job, prompt_tokens=len(payload.prompt_token_ids), stream=payload.stream)
+        self.inflight[execution.id] = InFlight(job, queue, execution, item.payload, started_at=time.time())
+        self.publisher.track(job, item.progress, stream=item.payload.stream)
 
     def _drop(self, lost: list[InFlight]) -> None:
         """Canceled, deleted, or reaped and requeued after a stall: no longer ours to
@@ -463,42 +569,75 @@ class BatchWorker(BaseWorker):
             if output.finished:
                 entry.final = output
 
-    def _finish_jobs(self) -> None:
-        """Record finished jobs' results through RQ, then tell their streams (after the
-        results, so a client that sees "end" can read them)."""
-        finished = [entry for entry in self.inflight.values() if entry.final is not None]
-        if not finished:
+    def _queue_successes(self, pipeline, entries: list[InFlight]) -> None:
+        """Queue, as one fenced script call, what RQ's success path writes for each
+        finished job (status, result, registries, the worker's counters: RQ's own methods,
+        recorded on a pipeline that never runs), then its stream's "end" (after the
+        result, so a client that sees "end" can read it). Our jobs have no dependents,
+        repeats, callbacks or rate limits, the parts of RQ's path left out."""
+        keys: list[str] = []
+        args: list = []
+        ttl = self.settings.stream_ttl_s
+        for entry in entries:
+            job, execution = entry.job, entry.execution
+            recorder = self.connection.pipeline(transaction=False)
+            job.ended_at = utcnow()
+            job.heartbeat(job.ended_at, self.settings.heartbeat_ttl_s, pipeline=recorder)
+            job._result = entry.result.model_dump(mode="json")
+            job._status = JobStatus.FINISHED
+            self.increment_successful_job_count(recorder)
+            self.increment_total_working_time(job.ended_at - job.started_at, recorder)
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(result_ttl, pipeline=recorder, worker_name=self.name, execution_id=execution.id,
+                                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+            job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
+            execution.delete(job=job, pipeline=recorder)
+            publish_end(recorder, job.id, "finished", ttl, finish_reason=entry.result.finish_reason or "")
+            commands = [command for command, _ in recorder.command_stack]
+            keys.append(job.key)
+            args += [execution.composite_key, len(commands)]
+            for command in commands:
+                args += [len(command), *command]
+        pipeline.eval(FENCED_COMMANDS_SCRIPT, len(keys), *keys, *args)
+
+    def _result_of(self, entry: InFlight) -> bool:
+        """Build a finished request's result once; False if the engine failed it alone
+        (entry.final.error) or its result cannot be built (the error is kept in `error`)."""
+        if entry.result is None and entry.error is None:
+            entry.error = entry.final.error
+            if entry.error is None:
+                try:
+                    entry.result = GenerationResult.from_output(entry.final, entry.job.id, entry.payload, entry.started_at)
+                except Exception as exc:  # this job's output alone: the others are recorded
+                    self.log.exception("Worker %s: the result of %s could not be built", self.name, entry.job.id)
+                    entry.error = f"its result could not be recorded: {exc!r}"
+        return entry.result is not None
+
+    def _fail_alone(self, entries: list[InFlight]) -> None:
+        """Fail requests that the engine (or their output) failed alone, for something they
+        caused: they would again, so they are never retried; the others go on."""
+        if not entries:
             return
-        ends = [self._finish(entry) for entry in finished]
+        self._forget(entries)
         with self.connection.pipeline(transaction=False) as pipeline:
-            for seq_id, status, finish_reason in ends:
-                publish_end(pipeline, seq_id, status, self.settings.stream_ttl_s, finish_reason=finish_reason)
+            for entry in entries:
+                entry.job.retries_left = 0
+                self._finalize_failure(entry.job, entry.queue, entry.execution, _raised(RequestFailed(entry.error)))
+                publish_end(pipeline, entry.job.id, "failed", self.settings.stream_ttl_s)
             pipeline.execute()
 
-    def _finish(self, entry: InFlight) -> tuple[str, JobState, str]:
-        """Record one finished job (kept in flight should Redis fail, to be retried next tick)."""
-        job = entry.job
-        payload = entry.payload
-        error = entry.final.error
-        result = None
-        if error is None:
-            try:
-                result = GenerationResult.from_output(entry.final, job.id, payload, entry.started_at)
-            except Exception as exc:  # this job's output alone: the others are recorded
-                self.log.exception("Worker %s: the result of %s could not be built", self.name, job.id)
-                error = f"its result could not be recorded: {exc!r}"
-        if error is not None:
-            # The engine (or its output) failed this request alone, for something it caused: it would again.
-            job.retries_left = 0
-            self._finalize_failure(job, entry.queue, entry.execution, _raised(RequestFailed(error)))
-        else:
-            self._finalize_success(job, entry.queue, entry.execution, result.model_dump(mode="json"))
-            self.metrics.observe_finished(entry.final, payload.enqueued_at, payload.sampling.n, payload.sampling.max_tokens)
-        del self.inflight[entry.request_id]
-        self.publisher.forget(job.id)
-        if result is None:
-            return job.id, "failed", ""
-        return job.id, "finished", result.finish_reason or ""
+    def _record_successes(self, entries: list[InFlight], lost_positions: list[int]) -> None:
+        lost = {entries[position - 1].request_id for position in lost_positions}
+        for entry in entries:
+            if entry.request_id in lost:
+                self.log.info("Worker %s: job %s finished here but is no longer ours: result not recorded", self.name, entry.job.id)
+            else:
+                self.metrics.observe_finished(entry.final, entry.payload.enqueued_at, entry.payload.sampling.n,
+                                              entry.payload.sampling.max_tokens)
+            self.executions.pop(entry.execution.id, None)
+            del self.inflight[entry.request_id]
+            self.publisher.forget(entry.job.id)
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails
@@ -562,7 +701,7 @@ def run_worker(settings: Settings) -> None:
     """Entry point of `pagedq worker`."""
     from worker.rq.engine_factory import build_engine
 
-    connection = Redis.from_url(settings.require_redis_url())
+    connection = connect(settings.require_redis_url())
     connection.ping()
     BatchWorker(build_engine(settings), settings, connection).work()
 

@@ -4,16 +4,18 @@ After a job's first token, its deltas go out at most every `stream_interval_s` (
 engine step), batching tokens into fewer events when relaying them is what costs.
 
 `update()` only records an engine output; `publish()` queues everything recorded since
-the last send into a caller's pipeline as one script call (redis_schema.PUBLISH_STEP_SCRIPT), whatever the number of jobs
-(the batch worker sends it with its own per-step call: one round trip per engine step),
-and `published()` marks it sent. A pipeline that fails (Redis away) changes nothing
-here, so the next one carries the text the failed one missed: a stream never skips text.
+the last send into a caller's pipeline as one script call (redis_schema.PUBLISH_STEP_SCRIPT,
+fenced: nothing is written for a job its execution no longer owns), whatever the number of
+jobs (the batch worker sends it with its own per-step call: one round trip per engine
+step), and `published()` marks it sent. A pipeline that fails (Redis away) is handed to
+`failed()`, so the next one carries the text the failed one missed: a stream never skips text.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from redis import Redis
@@ -21,7 +23,16 @@ from redis.client import Pipeline
 from rq.job import Job
 
 from pagedq.outputs import RequestOutput
-from pagedq.redis_schema import PUBLISH_STEP_SCRIPT, Progress, meta_with, publish_reset, read_progress, stream_key, write_progress
+from pagedq.redis_schema import (
+    PUBLISH_STEP_SCRIPT,
+    UNFENCED,
+    Progress,
+    meta_with,
+    publish_reset,
+    read_progress,
+    stream_key,
+    write_progress,
+)
 
 
 @dataclass
@@ -45,6 +56,28 @@ def _logprobs_json(completion, sent_tokens: int) -> str:
     return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
 
 
+def start_progress(pipeline: Pipeline, job: Job, prompt_tokens: int, stream_ttl_s: int) -> Progress:
+    """Queue a job's first progress as it (re)starts running: its attempt number (and a
+    "reset" event on its stream when an earlier attempt died part-way: that attempt's
+    deltas are in the stream already)."""
+    attempt = read_progress(job).attempt + 1
+    progress = Progress(prompt_tokens=prompt_tokens, attempt=attempt)
+    write_progress(pipeline, job, progress)
+    if attempt > 1:
+        publish_reset(pipeline, job.id, attempt, stream_ttl_s)
+    return progress
+
+
+@dataclass
+class Sending:
+    """What one publish() queued: the jobs in the script's order, and how much of each
+    output (characters, tokens) the streams will have once it has run."""
+
+    jobs: list[str] = field(default_factory=list)
+    counts: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    queued: bool = False
+
+
 def _pad(counts: list[int], length: int) -> list[int]:
     """`counts` with a 0 for each output that has none yet (n > 1 outputs appear when the prompt is done)."""
     return counts + [0] * (length - len(counts))
@@ -58,20 +91,16 @@ class ProgressPublisher:
         self.stream_interval_s = stream_interval_s
         self._jobs: dict[str, _Published] = {}
         self._dirty: set[str] = set()
-        # Jobs whose recorded output the pending publish() carries in full.
-        self._sending: set[str] = set()
 
     def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int, stream: bool = True) -> None:
-        """Called when a job (re)starts running; records the attempt number. `stream`
-        false: only partial results, no deltas (JobPayload.stream)."""
-        attempt = read_progress(job).attempt + 1
-        progress = Progress(prompt_tokens=prompt_tokens, attempt=attempt)
+        """Called when a job (re)starts running: start_progress(), then track()."""
+        self.track(job, start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s), stream)
+
+    def track(self, job: Job, progress: Progress, stream: bool = True) -> None:
+        """Follow a job start_progress() has started. `stream` false: only partial
+        results, no deltas (JobPayload.stream)."""
         self._jobs[job.id] = _Published(job, progress, stream)
         self._dirty.discard(job.id)
-        write_progress(pipeline, job, progress)
-        if attempt > 1:
-            # A previous attempt died part-way: its deltas are in the stream already.
-            publish_reset(pipeline, job.id, attempt, self.stream_ttl_s)
 
     def update(self, seq_id: str, output: RequestOutput) -> None:
         """Record the job's latest (cumulative) output; nothing is sent until flush()."""
@@ -82,66 +111,79 @@ class ProgressPublisher:
             progress.first_token = output.metrics.first_token_time or time.time()
         self._dirty.add(seq_id)
 
-    def publish(self, pipeline: Pipeline) -> None:
-        """Queue everything recorded since the last published() into `pipeline`, as one
-        script call; call published() once the pipeline has run."""
-        self._sending.clear()
+    def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
+        """Queue everything recorded since the last send into `pipeline` as one script
+        call; once the pipeline has run, pass its reply to published() (or the Sending to
+        failed(), if it did not run). `fence(seq_id)`: the composite key of the job's
+        execution, whose ownership the script checks before writing (None: unfenced). Only one Sending may be in
+        flight: the next publish() follows published() or failed()."""
+        sending = Sending()
         if not self._dirty:
-            return
+            return sending
         now = time.monotonic()
-        streams: list[str] = []
-        deltas: list[str | int] = []
-        progress_due: list[_Published] = []
-        for seq_id in self._dirty:
+        keys: list[str] = []
+        args: list[str | int | bytes] = [self.stream_ttl_s]
+        for seq_id in list(self._dirty):
             state = self._jobs[seq_id]
             started = any(state.sent_tokens)
             # The first token and the last go at once; in between a job's deltas are batched
             # to one per stream_interval_s (what is held back stays dirty for a later step).
             if state.stream and started and not state.output.finished and now < state.next_delta_at:
                 continue
-            self._sending.add(seq_id)
+            self._dirty.discard(seq_id)
+            outputs = state.output.outputs
+            deltas: list[str | int] = []
             if state.stream:
-                outputs = state.output.outputs
                 sent_tokens, sent_chars = _pad(state.sent_tokens, len(outputs)), _pad(state.sent_chars, len(outputs))
                 for index, completion in enumerate(outputs):
                     if len(completion.token_ids) > sent_tokens[index]:
                         state.next_delta_at = now + self.stream_interval_s
-                        streams.append(stream_key(seq_id))
                         deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started),
                                    _logprobs_json(completion, sent_tokens[index])]
                         started = True
+            meta = b""
             # Partial results are rewritten whole, so they are throttled; deltas never are.
             if now >= state.next_progress_at and not state.output.finished:
                 state.next_progress_at = now + self.progress_interval_s
-                progress_due.append(state)
-        metas = []
-        for state in progress_due:
-            completion = state.output.outputs[0]
-            state.progress.text = completion.text
-            state.progress.token_ids = list(completion.token_ids)
-            metas.append(meta_with(state.job, state.progress))
-        keys = [*streams, *(state.job.key for state in progress_due)]
-        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
-        pipeline.eval(PUBLISH_STEP_SCRIPT, len(keys), *keys, self.stream_ttl_s, len(streams), *deltas, *metas)
+                state.progress.text = outputs[0].text
+                state.progress.token_ids = list(outputs[0].token_ids)
+                meta = meta_with(state.job, state.progress)
+            if not deltas and not meta:
+                continue
+            keys += [state.job.key, stream_key(seq_id)]
+            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas) // 5, *deltas]
+            sending.jobs.append(seq_id)
+            sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
+        if sending.jobs:
+            # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+            pipeline.eval(PUBLISH_STEP_SCRIPT, len(keys), *keys, *args)
+            sending.queued = True
+        return sending
 
-    def published(self) -> None:
-        """The pipeline given to publish() ran: what it carried is sent."""
-        for seq_id in self._sending:
+    def published(self, sending: Sending, reply: list[int] | None) -> list[str]:
+        """The pipeline given to publish() ran and the script answered `reply`: what it
+        carried is sent. Returns the jobs it refused to write for (no longer ours)."""
+        for seq_id, (chars, tokens) in sending.counts.items():
             state = self._jobs.get(seq_id)
             if state is not None:
-                state.sent_chars = [len(completion.text) for completion in state.output.outputs]
-                state.sent_tokens = [len(completion.token_ids) for completion in state.output.outputs]
-        self._dirty -= self._sending
-        self._sending.clear()
+                state.sent_chars, state.sent_tokens = chars, tokens
+        return [sending.jobs[position - 1] for position in reply or []]
+
+    def failed(self, sending: Sending) -> None:
+        """The pipeline did not run (Redis away): the next publish() sends the same text again."""
+        self._dirty.update(seq_id for seq_id in sending.jobs if seq_id in self._jobs)
 
     def flush(self) -> None:
-        """Send everything recorded so far, in one round trip."""
+        """Send everything recorded so far, in one round trip (unfenced)."""
         with self.connection.pipeline(transaction=False) as pipeline:
-            self.publish(pipeline)
-            pipeline.execute()
-        self.published()
+            sending = self.publish(pipeline)
+            try:
+                replies = pipeline.execute()
+            except BaseException:
+                self.failed(sending)
+                raise
+        self.published(sending, replies[-1] if sending.queued else None)
 
     def forget(self, seq_id: str) -> None:
         self._jobs.pop(seq_id, None)
         self._dirty.discard(seq_id)
-        self._sending.discard(seq_id)

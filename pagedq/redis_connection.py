@@ -1,0 +1,138 @@
+"""The one place a `PAGEDQ_REDIS_URL` becomes Redis connections (api, worker, CLI, bench).
+
+Two kinds of URL:
+
+- `redis://[[user]:password@]host:port[/db]` (or `rediss://`, `unix://`): one Redis, as
+  redis-py reads it.
+- `redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db][?sentinel_password=...]`:
+  Redis Sentinel. The hosts are sentinels; `service` is the name they monitor (their
+  `sentinel monitor <service> ...`). Connections go to the service's current primary, asked
+  of the sentinels whenever a connection is (re)made, so after a failover a retried command
+  reaches the new primary; a connection still open to a demoted primary is dropped on its
+  first READONLY answer (redis-py's SentinelManagedConnection). The user and password are
+  the data nodes'; `sentinel_password` is the sentinels' own, if they have one.
+
+Every pool can be bounded and blocking (`max_connections` + `timeout`): a caller beyond
+the bound waits for a free connection rather than failing at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
+from redis.asyncio import ConnectionPool as AsyncConnectionPool
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
+from redis.sentinel import Sentinel, SentinelConnectionPool
+
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_SENTINEL_PORT = 26379
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's primary-following connections in a bounded pool that waits for a free one."""
+
+
+class _AsyncBlockingSentinelPool(AsyncSentinelConnectionPool, AsyncBlockingConnectionPool):
+    """The same, for redis.asyncio."""
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A parsed `redis+sentinel://` URL."""
+
+    sentinels: list[tuple[str, int]]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelTarget:
+        parts = urlsplit(url)
+        if parts.scheme != SENTINEL_SCHEME:
+            raise ValueError(f"redis_url: not a {SENTINEL_SCHEME}:// URL: {url!r}")
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        username, _, password = credentials.partition(":") if credentials else ("", "", "")
+        sentinels = []
+        for host in hosts.split(","):
+            name, _, port = host.strip().rpartition(":") if ":" in host else (host.strip(), "", "")
+            if not name:
+                raise ValueError(f"redis_url: empty sentinel host in {url!r}")
+            try:
+                sentinels.append((name.strip("[]"), int(port) if port else DEFAULT_SENTINEL_PORT))
+            except ValueError:
+                raise ValueError(f"redis_url: bad sentinel port {port!r} in {url!r}") from None
+        path = [segment for segment in parts.path.split("/") if segment]
+        if not path or len(path) > 2:
+            raise ValueError(f"redis_url: expected {SENTINEL_SCHEME}://host:port[,host:port]/service[/db], got {url!r}")
+        try:
+            db = int(path[1]) if len(path) == 2 else 0
+        except ValueError:
+            raise ValueError(f"redis_url: the database must be a number, got {path[1]!r}") from None
+        query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        return cls(
+            sentinels=sentinels, service=unquote(path[0]), db=db,
+            username=unquote(username) or None, password=unquote(password) or None,
+            sentinel_password=query.pop("sentinel_password", None), options=query,
+        )
+
+    def _node_kwargs(self) -> dict[str, Any]:
+        return {"db": self.db, "username": self.username, "password": self.password}
+
+    def _sentinel_kwargs(self, timeouts: dict[str, float]) -> dict[str, Any]:
+        return {"password": self.sentinel_password, **timeouts}
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+def _timeouts(options: dict[str, Any]) -> dict[str, Any]:
+    return {key: options[key] for key in ("socket_timeout", "socket_connect_timeout") if key in options}
+
+
+def connection_pool(url: str, max_connections: int | None = None, timeout: float | None = None, **options: Any) -> ConnectionPool:
+    """A pool for `url`; bounded and blocking when `max_connections` is given."""
+    if not is_sentinel_url(url):
+        if max_connections is None:
+            return ConnectionPool.from_url(url, **options)
+        return BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, **options)
+    target = SentinelTarget.parse(url)
+    sentinel = Sentinel(target.sentinels, sentinel_kwargs=target._sentinel_kwargs(_timeouts(options)))
+    kwargs = {**target._node_kwargs(), **options, "is_master": True}
+    if max_connections is None:
+        return SentinelConnectionPool(target.service, sentinel, **kwargs)
+    return _BlockingSentinelPool(target.service, sentinel, max_connections=max_connections, timeout=timeout, **kwargs)
+
+
+def async_connection_pool(
+    url: str, max_connections: int | None = None, timeout: float | None = None, **options: Any
+) -> AsyncConnectionPool:
+    """connection_pool() for redis.asyncio."""
+    if not is_sentinel_url(url):
+        if max_connections is None:
+            return AsyncConnectionPool.from_url(url, **options)
+        return AsyncBlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, **options)
+    target = SentinelTarget.parse(url)
+    sentinel = AsyncSentinel(target.sentinels, sentinel_kwargs=target._sentinel_kwargs(_timeouts(options)))
+    kwargs = {**target._node_kwargs(), **options, "is_master": True}
+    if max_connections is None:
+        return AsyncSentinelConnectionPool(target.service, sentinel, **kwargs)
+    return _AsyncBlockingSentinelPool(target.service, sentinel, max_connections=max_connections, timeout=timeout, **kwargs)
+
+
+def connect(url: str, **options: Any) -> Redis:
+    """A client for `url` (a plain Redis or a Sentinel-managed primary)."""
+    return Redis.from_pool(connection_pool(url, **options))
+
+
+def connect_async(url: str, **options: Any) -> AsyncRedis:
+    return AsyncRedis.from_pool(async_connection_pool(url, **options))
