@@ -39,7 +39,27 @@ class RMSNorm(nn.Module):
         return normed * self.weight
 
 
-class MergedLinear(nn.Linear):
+# On the CPU, float32 matmuls through oneDNN (the op PyTorch's own compiler emits for CPU
+# linears) ran 2.2x faster than F.linear's MKL sgemm on this AMD machine, at the same
+# float32 rounding (max difference to float64 6e-6 vs MKL's 2e-6 on a 512x2816 product).
+# bfloat16 F.linear already goes through oneDNN.
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if _ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input computed by one matmul (q/k/v, gate/up).
 
     The checkpoint stores each projection separately; shard ``i`` loads into its own
