@@ -7,14 +7,15 @@
 //   seq_lens int32 [num_seqs]. Query row i of sequence s sits at position
 //   seq_lens[s] - q_len + i and attends to every key up to and including it.
 //
-// One work item is (sequence, KV head, tile of query rows): every query head of the KV
-// head's group and every row of the tile share each key and value row loaded from the
-// cache, so decodes, prefills and chunks after a cached prefix run in one call and no
-// key or value is copied out of its block. Arithmetic is float32 whatever the storage
-// dtype; an FP8 cache is scaled back by k_scale / v_scale.
+// One work item is (sequence, tile of query rows), all heads: each block of the context
+// is read once, sequentially, where it sits in the cache, and shared by every row and
+// head of the item, so decodes, prefills and chunks after a cached prefix run in one call
+// and no key or value is copied out of its block. Arithmetic is float32 whatever the
+// storage dtype; an FP8 cache is scaled back by k_scale / v_scale.
 //
-// The keys a query row sees are [first_key(pos), pos]; first_key is 0 for full
-// attention (a sliding window would raise it to pos - window + 1).
+// Row r of an item sees the keys [0, first_pos + r] (`seen` per block below); a sliding
+// window would raise the lower bound to first_pos + r - window + 1 and skip whole blocks
+// below it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,8 +32,6 @@
 #include <vector>
 
 namespace {
-
-constexpr int64_t kTileRows = 16;
 
 // GCC/Clang vector extensions: 16 float lanes, one AVX-512 register (two AVX2 ones
 // elsewhere). `vfu` is the unaligned flavour used to load rows from the cache.
@@ -131,93 +130,143 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// The two inner loops of attention for one query vector over one block's `seen` keys
+// (rows `stride` floats apart). With NC = head_dim / 16 known at compile time the query
+// and the accumulator stay in registers across keys; NC = 0 handles any head_dim.
+template <int NC>
+inline float block_scores(const float* q, const float* k, int64_t stride, int64_t seen, int64_t D, float* p) {
+  float block_max = -FLT_MAX;
+  if constexpr (NC > 0) {
+    vf qr[NC];
+    for (int i = 0; i < NC; ++i) qr[i] = load(q + i * kLanes);
+    for (int64_t c = 0; c < seen; ++c) {
+      const float* kc = k + c * stride;
+      vf part = qr[0] * load(kc);
+      for (int i = 1; i < NC; ++i) part += qr[i] * load(kc + i * kLanes);
+      p[c] = hsum(part);
+      block_max = std::max(block_max, p[c]);
+    }
+  } else {
+    for (int64_t c = 0; c < seen; ++c) {
+      p[c] = dot(q, k + c * stride, D);
+      block_max = std::max(block_max, p[c]);
+    }
+  }
+  return block_max;
+}
+
+template <int NC>
+inline void block_values(const float* p, const float* v, int64_t stride, int64_t seen, int64_t D, float rescale,
+                         float* a) {
+  if constexpr (NC > 0) {
+    vf acc[NC];
+    for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
+    for (int64_t c = 0; c < seen; ++c)
+      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load(v + c * stride + i * kLanes);
+    for (int i = 0; i < NC; ++i) store(a + i * kLanes, acc[i]);
+  } else {
+    if (rescale != 1.f)
+      for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+    for (int64_t c = 0; c < seen; ++c) axpy(p[c], v + c * stride, a, D);
+  }
+}
+
+// One work item: a sequence's query rows [row_begin, row_end), every head.
 struct Item {
-  int64_t seq, kv_head, row_begin, row_end;
+  int64_t seq, row_begin, row_end;
 };
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, group, block_size, table_stride;
 };
 
-template <typename q_t, typename kv_t>
+// Query vectors per prefill item: enough rows to reuse each loaded block many times,
+// few enough that the item's queries and accumulators stay in L1/L2.
+constexpr int64_t kVectorsPerItem = 64;
+
+inline int64_t tile_rows(const Shape& sh) { return std::max<int64_t>(kVectorsPerItem / sh.num_heads, 1); }
+
+// Flash-style: blocks of the sequence's context in order, a running max and sum per query
+// vector, so one pass reads every key and value block once, where it sits in the cache.
+template <typename q_t, typename kv_t, int NC>
 void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_t* value_cache,
             const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
             q_t* out, const Shape& sh, float scale, float k_scale, float v_scale,
             std::vector<float>& scratch) {
-  const int64_t D = sh.head_dim, G = sh.group;
+  const int64_t D = sh.head_dim, H = sh.num_heads, G = sh.group, bs = sh.block_size;
   const int64_t q_begin = query_start_loc[item.seq];
   const int64_t q_len = query_start_loc[item.seq + 1] - q_begin;
   const int64_t seq_len = seq_lens[item.seq];
   const int64_t rows = item.row_end - item.row_begin;
-  const int64_t vectors = rows * G;  // query vectors of this item, row-major over (row, head)
-  // Position of the item's first row; row r sees keys [0, first_pos + r].
+  const int64_t vectors = rows * H;  // query vector j = r * H + h
+  // Position of the item's first row: row r sees keys [0, first_pos + r].
   const int64_t first_pos = seq_len - q_len + item.row_begin;
   const int64_t num_keys = std::max<int64_t>(first_pos + rows, 0);  // keys the last row sees
   const int32_t* table = block_tables + item.seq * sh.table_stride;
-  const int64_t row_stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
+  const int64_t block_elems = bs * sh.num_kv_heads * D;
+  const int64_t stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
+  constexpr bool kFloatCache = std::is_same_v<kv_t, float>;
 
-  scratch.resize(vectors * D * 2 + D + vectors * num_keys);
-  float* q = scratch.data();            // [vectors, D], scaled
-  float* acc = q + vectors * D;         // [vectors, D]
-  float* row_buf = acc + vectors * D;   // one converted key or value row
-  float* scores = row_buf + D;          // [vectors, num_keys]
+  scratch.resize(2 * vectors * D + 2 * vectors + vectors * bs + (kFloatCache ? 0 : 2 * block_elems));
+  float* q = scratch.data();        // [vectors, D], scaled
+  float* acc = q + vectors * D;     // [vectors, D]
+  float* run_max = acc + vectors * D;
+  float* run_sum = run_max + vectors;
+  float* probs = run_sum + vectors;  // [vectors, bs]: this block's scores, then e^(s - max)
+  float* k_buf = probs + vectors * bs;
+  float* v_buf = k_buf + block_elems;
 
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const q_t* src = query + ((q_begin + item.row_begin + r) * sh.num_heads + item.kv_head * G + g) * D;
-      float* dst = q + (r * G + g) * D;
-      const float* row = as_float(src, dst, D);
-      for (int64_t d = 0; d < D; ++d) dst[d] = row[d] * (scale * k_scale);
-    }
-
-  // Scores: each key row is read once, in place, for every query vector that sees it.
-  for (int64_t c = 0; c < num_keys; ++c) {
-    const int64_t block = table[c / sh.block_size];
-    const kv_t* k = key_cache + (block * sh.block_size + c % sh.block_size) * row_stride + item.kv_head * D;
-    const float* key = as_float(k, row_buf, D);
-    // Rows before first_pos + r = c do not see key c (causal).
-    for (int64_t j = std::max<int64_t>(c - first_pos, 0) * G; j < vectors; ++j)
-      scores[j * num_keys + c] = dot(q + j * D, key, D);
+  for (int64_t j = 0; j < vectors; ++j) {
+    const q_t* src = query + (q_begin + item.row_begin) * H * D + j * D;
+    const float* row = as_float(src, q + j * D, D);
+    for (int64_t d = 0; d < D; ++d) q[j * D + d] = row[d] * (scale * k_scale);
   }
-  // Softmax numerators in place; their sums normalise at the end.
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j = r * G + g, seen = first_pos + r + 1;
-      float* s = scores + j * num_keys;
-      float m = -FLT_MAX;
-      for (int64_t c = 0; c < seen; ++c) m = std::max(m, s[c]);
-      const float total = seen > 0 ? exp_shifted(s, seen, m) : 0.f;
-      // A row with no keys (a padded lane, seq_len 0) outputs zeros, as the reference does.
-      const float norm = seen > 0 ? v_scale / total : 0.f;
-      for (int64_t c = 0; c < seen; ++c) s[c] *= norm;
-    }
   std::fill(acc, acc + vectors * D, 0.f);
-  for (int64_t c = 0; c < num_keys; ++c) {
-    const int64_t block = table[c / sh.block_size];
-    const kv_t* v = value_cache + (block * sh.block_size + c % sh.block_size) * row_stride + item.kv_head * D;
-    const float* value = as_float(v, row_buf, D);
-    for (int64_t j = std::max<int64_t>(c - first_pos, 0) * G; j < vectors; ++j)
-      axpy(scores[j * num_keys + c], value, acc + j * D, D);
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j = r * G + g;
-      q_t* dst = out + ((q_begin + item.row_begin + r) * sh.num_heads + item.kv_head * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[j * D + d]);
+  std::fill(run_max, run_max + vectors, -FLT_MAX);
+  std::fill(run_sum, run_sum + vectors, 0.f);
+
+  for (int64_t c0 = 0; c0 < num_keys; c0 += bs) {
+    const int64_t n = std::min(bs, num_keys - c0);
+    const int64_t block = table[c0 / bs];
+    const float* keys = as_float(key_cache + block * block_elems, k_buf, n * sh.num_kv_heads * D);
+    const float* values = as_float(value_cache + block * block_elems, v_buf, n * sh.num_kv_heads * D);
+    // Row r sees this block's keys [c0, first_pos + r]; earlier rows may see none of them.
+    for (int64_t r = std::max<int64_t>(c0 - first_pos, 0); r < rows; ++r) {
+      const int64_t seen = std::min(n, first_pos + r + 1 - c0);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t j = r * H + h;
+        const float* k = keys + (h / G) * D;
+        const float* v = values + (h / G) * D;
+        float* p = probs + j * bs;
+        const float block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
+        const float new_max = std::max(run_max[j], block_max);
+        const float rescale = std::exp(run_max[j] - new_max);  // 0 for the first block
+        run_sum[j] = run_sum[j] * rescale + exp_shifted(p, seen, new_max);
+        run_max[j] = new_max;
+        block_values<NC>(p, v, stride, seen, D, rescale, acc + j * D);
+      }
     }
+  }
+  for (int64_t j = 0; j < vectors; ++j) {
+    // A row with no keys (a padded lane, seq_len 0) outputs zeros, as the reference does.
+    const float norm = run_sum[j] > 0.f ? v_scale / run_sum[j] : 0.f;
+    q_t* dst = out + (q_begin + item.row_begin) * H * D + j * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[j * D + d] * norm);
+  }
 }
 
 // Items dealt to threads longest first, each to the least loaded thread, so one long
 // prefill does not leave the other threads idle behind a static split.
 std::vector<std::vector<Item>> plan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
-                                    int64_t num_kv_heads, int64_t num_threads) {
+                                    const Shape& sh, int64_t num_threads) {
   std::vector<std::pair<int64_t, Item>> costed;
+  const int64_t step = tile_rows(sh);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
-    for (int64_t begin = 0; begin < q_len; begin += kTileRows) {
-      const int64_t end = std::min(begin + kTileRows, q_len);
+    for (int64_t begin = 0; begin < q_len; begin += step) {
+      const int64_t end = std::min(begin + step, q_len);
       const int64_t keys = std::max<int64_t>(seq_lens[s] - q_len + end, 1);
-      for (int64_t h = 0; h < num_kv_heads; ++h) costed.push_back({keys * (end - begin + 1), Item{s, h, begin, end}});
+      costed.push_back({keys * (end - begin + 1), Item{s, begin, end}});
     }
   }
   std::stable_sort(costed.begin(), costed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -239,18 +288,19 @@ void run_attention(const at::Tensor& query, const at::Tensor& key_cache, const a
                  key_cache.size(1), block_tables.size(1)};
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const auto buckets = plan(qsl, lens, seq_lens.size(0), sh.num_kv_heads, at::get_num_threads());
+  const auto buckets = plan(qsl, lens, seq_lens.size(0), sh, at::get_num_threads());
   const q_t* q = query.data_ptr<q_t>();
   const kv_t* kc = key_cache.data_ptr<kv_t>();
   const kv_t* vc = value_cache.data_ptr<kv_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   q_t* o = out.data_ptr<q_t>();
+  auto body = sh.head_dim == 64 ? attend<q_t, kv_t, 4> : sh.head_dim == 128 ? attend<q_t, kv_t, 8> : attend<q_t, kv_t, 0>;
   at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t t = begin; t < end; ++t)
       for (const Item& item : buckets[t])
-        attend<q_t, kv_t>(item, q, kc, vc, tables, qsl, lens, o, sh, static_cast<float>(scale),
-                          static_cast<float>(k_scale), static_cast<float>(v_scale), scratch);
+        body(item, q, kc, vc, tables, qsl, lens, o, sh, static_cast<float>(scale), static_cast<float>(k_scale),
+             static_cast<float>(v_scale), scratch);
   });
 }
 
