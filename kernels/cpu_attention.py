@@ -39,8 +39,9 @@ def _cpu_digest() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def build_name() -> str:
-    return f"pagedq_cpu_attention_{_cpu_digest()}"
+def build_name(source: Path) -> str:
+    """One build per source text and CPU, so no build overwrites another's cache entry."""
+    return f"pagedq_cpu_attention_{hashlib.sha256(source.read_bytes()).hexdigest()[:8]}_{_cpu_digest()}"
 
 
 @functools.cache
@@ -52,7 +53,7 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
+        load_extension(name=build_name(SOURCE), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
     except Exception as exc:  # a missing compiler, a failed build: the pure-PyTorch path still runs
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the PyTorch SDPA path", exc)
         return False

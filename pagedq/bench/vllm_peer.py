@@ -27,7 +27,7 @@ class VLLMPeer:
     counting_rule = "continuous batching; each request's max_tokens is its own output length (ignore_eos)"
 
     def __init__(self, python: str, model_dir: str, dtype: str, seed: int, threads: int,
-                 kv_cache_gib: float, enforce_eager: bool):
+                 kv_cache_gib: int, enforce_eager: bool):
         self.python = python
         self.model_dir = str(Path(model_dir).resolve())
         self.dtype = dtype
