@@ -18,6 +18,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -50,6 +52,10 @@ def load() -> bool:
     cause, where it cannot be had."""
     if os.environ.get("PAGEDQ_CPU_KERNEL", "1") == "0":
         return False
+    if shutil.which("ninja") is None:
+        # The `ninja` package installs its binary beside this interpreter, which is not on
+        # PATH when the virtualenv is used without being activated.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
         from torch.utils.cpp_extension import load as load_extension
 
