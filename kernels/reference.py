@@ -1,5 +1,6 @@
 """Plain PyTorch paged attention and KV-store: the oracle every other implementation
-(kernels.torch_attention, the Triton kernels) is tested against. Same signatures.
+(the C++ CPU kernel, kernels.torch_attention, the Triton kernels) is tested against.
+Same signatures.
 
 An FP8 cache (float8_e4m3fn) holds value / scale, saturated to e4m3's range; readers
 multiply by the scale again. `k_scale` and `v_scale` are 1.0 for any other cache dtype.

@@ -126,7 +126,8 @@ def verify(runs: list[PeerRun]) -> list[str]:
     failures = []
     for run in runs:
         if run is not reference and (mismatch := first_mismatch(reference.token_ids, run.token_ids)):
-            failures.append(f"{run.peer}: {mismatch}")
+            equal = sum(a == b for a, b in zip(reference.token_ids, run.token_ids))
+            failures.append(f"{run.peer}: equal on {equal} of {len(run.token_ids)} requests; {mismatch}")
     return failures
 
 
