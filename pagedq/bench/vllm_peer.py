@@ -27,7 +27,7 @@ class VLLMPeer:
     counting_rule = "continuous batching; each request's max_tokens is its own output length (ignore_eos)"
 
     def __init__(self, python: str, model_dir: str, dtype: str, seed: int, threads: int,
-                 kv_cache_gib: int, enforce_eager: bool):
+                 kv_cache_gib: int, enforce_eager: bool, pin_threads: bool = True):
         self.python = python
         self.model_dir = str(Path(model_dir).resolve())
         self.dtype = dtype
@@ -35,18 +35,20 @@ class VLLMPeer:
         self.threads = threads
         self.kv_cache_gib = kv_cache_gib
         self.enforce_eager = enforce_eager
+        self.pin_threads = pin_threads
         self.load_seconds: float | None = None
         self.version: str | None = None
         self._proc: subprocess.Popen | None = None
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "HF_HUB_OFFLINE": "1",
-            # vLLM's CPU backend pins one OpenMP thread per listed core.
-            "VLLM_CPU_OMP_THREADS_BIND": "0" if self.threads == 1 else f"0-{self.threads - 1}",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-        })
+        env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)})
+        if self.pin_threads:
+            # vLLM's CPU default: one OpenMP thread pinned to each listed core.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if self.threads == 1 else f"0-{self.threads - 1}"
+        else:
+            # Unpinned, like the other peers: fairer on a machine that other work shares.
+            env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(self.threads)})
         return env
 
     def setup(self, workload: Workload) -> None:
