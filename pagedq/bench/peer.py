@@ -43,6 +43,9 @@ class Peer(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional, for peers that run in other processes: stop them while other peers are
+    # timed (pause) and continue them for their own passes (resume).
+
 
 @dataclass
 class PeerRun:
@@ -105,6 +108,16 @@ def _timed(peer: Peer, workload: Workload, device: torch.device, progress: bool)
     return generation, time.perf_counter() - start
 
 
+def _pause(peer: Peer) -> None:
+    if hasattr(peer, "pause"):
+        peer.pause()
+
+
+def _resume(peer: Peer) -> None:
+    if hasattr(peer, "resume"):
+        peer.resume()
+
+
 def measure_rounds(peers: list[Peer], workload: Workload, device: torch.device, rounds: int,
                    progress: bool) -> list[PeerRun]:
     """Times every peer `rounds` times, alternating their order. On a CPU every peer stays
@@ -119,14 +132,17 @@ def measure_rounds(peers: list[Peer], workload: Workload, device: torch.device, 
             for peer in peers:
                 started.append(peer)
                 _start(peer, workload, device)
+                _pause(peer)
         for round_index in range(rounds):
             for peer in peers if round_index % 2 == 0 else peers[::-1]:
                 if not keep:
                     started.append(peer)
                     _start(peer, workload, device)
+                _resume(peer)
                 try:
                     generation, seconds = _timed(peer, workload, device, progress)
                 finally:
+                    _pause(peer)
                     if not keep:
                         started.remove(peer)
                         peer.close()

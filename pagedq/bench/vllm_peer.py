@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -56,7 +57,7 @@ class VLLMPeer:
             raise VLLMPeerError(f"--vllm-python: {self.python!r} is not a file")
         self._proc = subprocess.Popen(
             [self.python, str(RUNNER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env=self.environment(),
+            env=self.environment(), start_new_session=True,  # its own process group: see pause()
         )
         reply = self._call({
             "op": "load", "model": self.model_dir, "dtype": self.dtype, "seed": self.seed,
@@ -86,8 +87,19 @@ class VLLMPeer:
             raise VLLMPeerError(f"vllm: {request['op']} failed:\n{reply['error']}")
         return reply
 
+    def pause(self) -> None:
+        """Stops vLLM's processes (runner, engine core, workers) while other peers are timed:
+        idle, they still poll and spin on the cores and slowed the other engines' rounds."""
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            os.killpg(self._proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
         if self._proc is not None:
+            self.resume()
             self._proc.stdin.close()
             try:
                 self._proc.wait(timeout=60)
