@@ -172,3 +172,48 @@ def test_serve_against_nothing_is_a_clear_error(model_dir, capsys):
     assert main(["bench", "serve", "--model", model_dir, "--url", url, "--num-prompts", "2", "--no-offline"]) == 1
     assert f"the service at {url} failed a warm-up request" in capsys.readouterr().err
 
+
+
+class RecordingPeer:
+    """A peer that records what the measuring loop asks of it (the order of passes is what
+    is under test here, not generation)."""
+
+    def __init__(self, name: str, log: list[str], pausable: bool):
+        self.name = name
+        self.counting_rule = "test"
+        self.log = log
+        if pausable:
+            self.pause = lambda: log.append(f"pause {name}")
+            self.resume = lambda: log.append(f"resume {name}")
+
+    def setup(self, workload):
+        self.log.append(f"setup {self.name}")
+
+    def generate(self, workload, progress):
+        from pagedq.bench.peer import Generation
+
+        self.log.append(f"generate {self.name} {workload.num_requests}")
+        return Generation([[1] * n for n in workload.output_lens], sum(workload.output_lens))
+
+    def close(self):
+        self.log.append(f"close {self.name}")
+
+
+def test_rounds_alternate_peers_and_pause_the_others():
+    import torch
+
+    from pagedq.bench.peer import WARMUP_REQUESTS, measure_rounds
+
+    log: list[str] = []
+    workload = make_workload(3, LengthRange(2, 4), LengthRange(1, 3), vocab_size=50, seed=0, temperature=0.0)
+    peers = [RecordingPeer("a", log, pausable=False), RecordingPeer("b", log, pausable=True)]
+    runs = measure_rounds(peers, workload, torch.device("cpu"), rounds=3, progress=False)
+    warm = f"{WARMUP_REQUESTS}"
+    assert log == [
+        "setup a", f"generate a {warm}", "setup b", f"generate b {warm}", "pause b",
+        "generate a 3", "resume b", "generate b 3", "pause b",  # round 1: a, b
+        "resume b", "generate b 3", "pause b", "generate a 3",  # round 2: b, a
+        "generate a 3", "resume b", "generate b 3", "pause b",  # round 3: a, b
+        "close a", "close b",
+    ]
+    assert [len(run.round_seconds) for run in runs] == [3, 3]
