@@ -2,8 +2,10 @@
 
 `get_attention_backend(name)` returns the pair (store_kv, paged_attention) with the
 signatures of `kernels.reference`, the plain oracle every implementation is tested
-against. "torch" is fused SDPA over gathered blocks (kernels.torch_attention), the CPU
-engine's path; "triton" the GPU kernels; "auto" picks Triton on CUDA and torch elsewhere.
+against. "cpu" is the C++ kernel that reads the paged cache in place (kernels.cpu_attention,
+built at first use), the CPU engine's path; "torch" fused SDPA over gathered blocks
+(kernels.torch_attention), its pure-PyTorch fallback where the C++ kernel cannot be built;
+"triton" the GPU kernels. "auto" picks Triton on CUDA and cpu elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.reference import store_kv_reference
 from kernels.torch_attention import paged_attention_torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 class AttentionBackend(NamedTuple):
@@ -27,7 +29,15 @@ def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
-        name = "triton" if device_type == "cuda" else "torch"
+        name = "triton" if device_type == "cuda" else "cpu"
+    if name == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {device_type}")
+        from kernels import cpu_attention
+
+        if cpu_attention.load():
+            return AttentionBackend("cpu", cpu_attention.store_kv_cpu, cpu_attention.paged_attention_cpu)
+        name = "torch"  # load() warned why
     if name == "torch":
         return AttentionBackend("torch", store_kv_reference, paged_attention_torch)
     from kernels.triton_attention import paged_attention_triton

@@ -1,5 +1,6 @@
 """Plain PyTorch paged attention and KV-store: the oracle every other implementation
-(kernels.torch_attention, the Triton kernels) is tested against. Same signatures.
+(the C++ CPU kernel, kernels.torch_attention, the Triton kernels) is tested against.
+Same signatures.
 
 Sliding-window attention (Mistral, Qwen2's upper layers): with `sliding_window=W` the
 query at position p sees only keys at positions p - W + 1 .. p (Hugging Face's

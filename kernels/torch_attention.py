@@ -1,6 +1,7 @@
-"""Paged attention for the CPU engine: PyTorch's fused SDPA over keys and values gathered
-out of the paged cache. Same signature as `kernels.reference.paged_attention_reference`,
-against which it is tested.
+"""Paged attention in pure PyTorch: fused SDPA over keys and values gathered out of the
+paged cache. The CPU engine's fallback where the C++ kernel (kernels.cpu_attention)
+cannot be built; 2-3x slower than it on decode-heavy steps. Same signature as
+`kernels.reference.paged_attention_reference`, against which it is tested.
 
 On a CPU the cost is the gather: every step copies each sequence's keys and values out
 of their blocks. Decodes are batched into one SDPA call per group of similar context

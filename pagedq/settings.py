@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool | None = None
     preemption_mode: str | None = Field(None, description="recompute or swap.")
     swap_space: float | None = Field(None, description="GiB of CPU memory for swapped-out KV blocks.")
-    attention_backend: str | None = Field(None, description="auto, torch or triton.")
+    attention_backend: str | None = Field(None, description="auto, cpu, torch or triton.")
     enforce_eager: bool | None = Field(None, description="Decode without CUDA graphs.")
 
     # Client side (`pagedq submit/result/cancel`).

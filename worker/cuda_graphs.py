@@ -67,32 +67,32 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
+        input_ids: torch.Tensor,  # int64 [batch], on the host
+        positions: torch.Tensor,  # int64 [batch]
+        slots: torch.Tensor,  # int64 [batch]
+        seq_lens: torch.Tensor,  # int32 [batch]
+        block_tables: torch.Tensor,  # int32 [batch, width]
     ) -> torch.Tensor:
         """Hidden states [batch, hidden] of one decode token per sequence."""
-        batch = len(seq_lens)
+        batch = seq_lens.shape[0]
         size = self.bucket(batch)
-        pad = size - batch
-        self._load(self.input_ids, input_ids + [0] * pad)
-        self._load(self.positions, positions + [0] * pad)
-        self._load(self.slot_mapping, slots + [-1] * pad)
-        self._load(self.seq_lens, seq_lens + [0] * pad)
-        width = max(len(t) for t in block_tables)
+        self._load(self.input_ids, input_ids, size, 0)
+        self._load(self.positions, positions, size, 0)
+        self._load(self.slot_mapping, slots, size, -1)
+        self._load(self.seq_lens, seq_lens, size, 0)
         # Entries past a sequence's last block are never read, so stale ones may stay.
-        rows = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        self.block_tables[:batch, :width].copy_(rows, non_blocking=True)
+        self.block_tables[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         if size in self._graphs:
             self._graphs[size].replay()
             return self._outputs[size][:batch]
         return self._forward(size)[:batch]
 
     @staticmethod
-    def _load(buffer: torch.Tensor, values: list[int]) -> None:
-        buffer[: len(values)].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+    def _load(buffer: torch.Tensor, values: torch.Tensor, size: int, pad: int) -> None:
+        """The batch's values, then `pad` in the lanes up to the bucket's size."""
+        batch = values.shape[0]
+        buffer[:batch].copy_(values, non_blocking=True)
+        buffer[batch:size].fill_(pad)
 
     def _forward(self, size: int) -> torch.Tensor:
         metadata = AttentionMetadata(

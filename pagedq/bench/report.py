@@ -32,10 +32,19 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
     )
 
 
+def load_average() -> str:
+    """The 1-, 5- and 15-minute load averages: timings on a shared CPU mean little without them."""
+    try:
+        return " ".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def throughput_table(rows: list[dict]) -> str:
-    """One line per peer from PeerRun.summary() dicts, with pagedq / peer when pagedq ran."""
+    """One line per peer from PeerRun.summary() dicts: output tok/s over the rounds
+    (min / median / max; seconds are the median round's), and pagedq / peer of medians."""
     ratios = ratio_column(rows, "output_tokens_per_s")
-    header = ["peer", "requests", "output tokens", "seconds", "output tok/s"]
+    header = ["peer", "requests", "output tokens", "rounds", "seconds", "tok/s min", "median", "max"]
     if ratios is not None:
         header.append(f"{REFERENCE_PEER} / peer")
     lines = []
@@ -44,8 +53,11 @@ def throughput_table(rows: list[dict]) -> str:
             row["peer"],
             str(row["requests"]),
             str(row["output_tokens"]),
+            str(len(row["round_seconds"])),
             f"{row['seconds']:.2f}",
+            f"{row['output_tokens_per_s_min']:.1f}",
             f"{row['output_tokens_per_s']:.1f}",
+            f"{row['output_tokens_per_s_max']:.1f}",
         ]
         if ratios is not None:
             line.append(f"{ratios[row['peer']]:.2f}x")

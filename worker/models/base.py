@@ -6,12 +6,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata
 from worker.models.attention import PagedAttention
-from worker.models.layers import MergedLinear
+from worker.models.layers import Linear, MergedLinear, linear, pack_for_cpu
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,17 @@ class CausalLM(nn.Module):
         """Fill tables derived from the config (not the checkpoint) once the model is on its device."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_embedding()).float()
+        return linear(hidden, self.output_embedding(), packed=self._packed_output).float()
+
+    _packed_output: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Packs every linear's weight, and the output embedding, for oneDNN (see
+        worker.models.layers); a no-op off the CPU. Weights must not change afterwards."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self._packed_output = pack_for_cpu(self.output_embedding())
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layers = [m for m in self.modules() if isinstance(m, PagedAttention)]

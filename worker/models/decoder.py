@@ -17,7 +17,7 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
-from worker.models.layers import MergedLinear, RMSNorm, activation
+from worker.models.layers import Linear, MergedLinear, RMSNorm, activation
 from worker.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -86,7 +86,7 @@ class DecoderAttention(nn.Module):
         num_heads, num_kv_heads, head_dim = cfg.num_attention_heads, _num_kv_heads(cfg), _head_dim(cfg)
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=flags.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=flags.o_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=flags.o_bias)
         if flags.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
@@ -110,7 +110,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=flags.mlp_bias)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=flags.mlp_bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=flags.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class DecoderLM(CausalLM):
             vocab_size=hf_config.vocab_size,
         )
         self.model = DecoderStack(hf_config, flags, backend)
-        self.lm_head = None if tie_word_embeddings else nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = None if tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)

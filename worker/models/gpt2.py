@@ -12,7 +12,7 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
-from worker.models.layers import activation
+from worker.models.layers import Linear, activation
 
 _CONV1D = ("c_attn", "c_proj", "c_fc")
 
@@ -25,8 +25,8 @@ class GPT2Attention(nn.Module):
         scale = head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, 3 * hidden)
+        self.c_proj = Linear(hidden, hidden)
         self.attn = PagedAttention(num_heads, num_heads, head_dim, scale, backend)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -39,8 +39,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = nn.Linear(cfg.n_embd, inner)
-        self.c_proj = nn.Linear(inner, cfg.n_embd)
+        self.c_fc = Linear(cfg.n_embd, inner)
+        self.c_proj = Linear(inner, cfg.n_embd)
         self.act = activation(cfg.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +85,7 @@ class GPT2LM(CausalLM):
             vocab_size=hf_config.vocab_size,
         )
         self.transformer = GPT2Stack(hf_config, backend)
-        self.lm_head = None if tie_word_embeddings else nn.Linear(hf_config.n_embd, hf_config.vocab_size, bias=False)
+        self.lm_head = None if tie_word_embeddings else Linear(hf_config.n_embd, hf_config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.transformer(input_ids, positions, attn_metadata)

@@ -39,7 +39,46 @@ class RMSNorm(nn.Module):
         return normed * self.weight
 
 
-class MergedLinear(nn.Linear):
+# On the CPU, matmuls through oneDNN (the op PyTorch's own compiler emits for CPU linears)
+# with weights packed once into its blocked layout: float32 ran 2.2-2.7x faster than
+# F.linear's MKL sgemm on this AMD machine at float32 rounding (max difference to float64
+# 6e-6 vs MKL's 2e-6 on a 512x2816 product); bfloat16 1.2x (batch 64) to 2.3x (batch 1)
+# faster than F.linear's own oneDNN call, which re-reads the plain weight every time.
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# The batch size the packed layout is tuned for; every other size runs on it too.
+_PACK_BATCH_HINT = 64
+
+
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in oneDNN's blocked layout (an opaque tensor only `linear` reads), or None
+    where oneDNN does not serve this weight."""
+    if not _ONEDNN or weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES:
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    if packed is not None and x.dtype == packed.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`, through a packed copy of the weight once
+    `pack_for_cpu()` has made one (after the checkpoint is loaded)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_for_cpu(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input computed by one matmul (q/k/v, gate/up).
 
     The checkpoint stores each projection separately; shard ``i`` loads into its own

@@ -50,4 +50,6 @@ def load_model(
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(checkpoint.tensors())
     model.init_buffers()
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.pack_for_cpu()
+    return model

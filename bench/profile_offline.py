@@ -1,0 +1,47 @@
+"""Where the offline engine's time goes: one greedy pass over the `bench offline` workload
+(64 prompts, lengths 32-256) under cProfile, top functions by own time.
+
+    .venv/bin/python bench/profile_offline.py --model /tmp/bench56 --threads 1 [--backend torch] [--dtype bfloat16]
+
+One thread makes the split readable on a shared machine (each op's time is its own, not
+waits on a busy sibling thread). Model load and a short warm-up are not profiled.
+"""
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+import torch
+
+from pagedq import LLM, SamplingParams
+from pagedq.bench.workload import LengthRange, make_workload
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--backend", default="auto", help="attention backend: auto, cpu or torch")
+parser.add_argument("--dtype", default="float32")
+parser.add_argument("--threads", type=int, default=1)
+parser.add_argument("--num-prompts", type=int, default=64)
+parser.add_argument("--top", type=int, default=15)
+args = parser.parse_args()
+
+torch.set_num_threads(args.threads)
+llm = LLM(model=args.model, dtype=args.dtype, device="cpu", attention_backend=args.backend)
+workload = make_workload(args.num_prompts, LengthRange(32, 256), LengthRange(32, 256),
+                         llm.llm_engine.runner.vocab_size, seed=0, temperature=0.0)
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
+
+profile = cProfile.Profile()
+start = time.perf_counter()
+profile.enable()
+outputs = llm.generate(prompts, params, use_tqdm=False)
+profile.disable()
+seconds = time.perf_counter() - start
+tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+print(f"attention {llm.llm_engine.runner.attention.name}, {args.dtype}, {args.threads} threads: {tokens} tokens "
+      f"in {seconds:.2f} s = {tokens / seconds:.1f} tok/s (under cProfile); load average {os.getloadavg()[0]:.2f}")
+pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)

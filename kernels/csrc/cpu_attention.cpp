@@ -1,0 +1,422 @@
+// Paged attention and KV store for the CPU engine, reading the paged cache in place.
+//
+// Same contract as kernels/reference.py (the oracle these are tested against):
+//   query   [num_tokens, num_heads, head_dim]         (packed sequences, back to back)
+//   caches  [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables int32 [num_seqs, max_blocks], query_start_loc int32 [num_seqs + 1],
+//   seq_lens int32 [num_seqs]. Query row i of sequence s sits at position
+//   seq_lens[s] - q_len + i and attends to every key up to and including it.
+//
+// One work item is (sequence, tile of query rows), all heads: each block of the context
+// is read once, sequentially, where it sits in the cache, and shared by every row and
+// head of the item, so decodes, prefills and chunks after a cached prefix run in one call
+// and no key or value is copied out of its block. Arithmetic is float32 whatever the
+// storage dtype; an FP8 cache is scaled back by k_scale / v_scale.
+//
+// Row r of an item sees the keys [0, first_pos + r] (`seen` per block below); a sliding
+// window would raise the lower bound to first_pos + r - window + 1 and skip whole blocks
+// below it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: 16 float lanes, one AVX-512 register (two AVX2 ones
+// elsewhere). `vfu` is the unaligned flavour used to load rows from the cache.
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+constexpr int64_t kLanes = 16;
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+
+// Sum of the lanes by halving (4 shuffle-adds), not a 16-add serial chain.
+inline float hsum(vf v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// A cache or query row in float32: float rows are used where they are, others are
+// converted into `buf` (bf16 by widening its bits, 16 at a time).
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    int64_t i = 0;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      for (; i + kLanes <= n; i += kLanes) {
+        vh bits = *reinterpret_cast<const vh*>(src + i);
+        vi wide = __builtin_convertvector(bits, vi) << 16;
+        store(buf + i, reinterpret_cast<vf&>(wide));
+      }
+    }
+    for (; i < n; ++i) buf[i] = to_float(src[i]);
+    return buf;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  vf acc = {};
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// exp(x) for x <= 0, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
+// Taylor polynomial (relative error < 2e-7), 2^n built in the exponent bits.
+inline vf exp_nonpositive(vf x) {
+  x = x < -87.f ? vf{} - 87.f : x;  // e^-87 is near float's smallest normal; smaller rounds to it
+  const vf shifter = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf n = x * 1.44269504088896341f + shifter;
+  n -= shifter;
+  vf r = x - n * 0.693145751953125f;
+  r -= n * 1.42860682030941723212e-6f;
+  vf p = vf{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<vf&>(bits);
+}
+
+// s[i] = exp(s[i] - m); returns their sum.
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  vf total = {};
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf e = exp_nonpositive(load(s + i) - m);
+    store(s + i, e);
+    total += e;
+  }
+  float sum = hsum(total);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// The two inner loops of attention for one query vector over one block's `seen` keys
+// (rows `stride` floats apart). With NC = head_dim / 16 known at compile time the query
+// and the accumulator stay in registers across keys; NC = 0 handles any head_dim.
+template <int NC>
+inline float block_scores(const float* q, const float* k, int64_t stride, int64_t seen, int64_t D, float* p) {
+  float block_max = -FLT_MAX;
+  if constexpr (NC > 0) {
+    vf qr[NC];
+    for (int i = 0; i < NC; ++i) qr[i] = load(q + i * kLanes);
+    for (int64_t c = 0; c < seen; ++c) {
+      const float* kc = k + c * stride;
+      vf part = qr[0] * load(kc);
+      for (int i = 1; i < NC; ++i) part += qr[i] * load(kc + i * kLanes);
+      p[c] = hsum(part);
+      block_max = std::max(block_max, p[c]);
+    }
+  } else {
+    for (int64_t c = 0; c < seen; ++c) {
+      p[c] = dot(q, k + c * stride, D);
+      block_max = std::max(block_max, p[c]);
+    }
+  }
+  return block_max;
+}
+
+template <int NC>
+inline void block_values(const float* p, const float* v, int64_t stride, int64_t seen, int64_t D, float rescale,
+                         float* a) {
+  if constexpr (NC > 0) {
+    vf acc[NC];
+    for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
+    for (int64_t c = 0; c < seen; ++c)
+      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load(v + c * stride + i * kLanes);
+    for (int i = 0; i < NC; ++i) store(a + i * kLanes, acc[i]);
+  } else {
+    if (rescale != 1.f)
+      for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
+    for (int64_t c = 0; c < seen; ++c) axpy(p[c], v + c * stride, a, D);
+  }
+}
+
+// One work item: a sequence's query rows [row_begin, row_end), every head.
+struct Item {
+  int64_t seq, row_begin, row_end;
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, group, block_size, table_stride;
+};
+
+// Query vectors per prefill item: enough rows to reuse each loaded block many times,
+// few enough that the item's queries and accumulators stay in L1/L2.
+constexpr int64_t kVectorsPerItem = 64;
+
+inline int64_t tile_rows(const Shape& sh) { return std::max<int64_t>(kVectorsPerItem / sh.num_heads, 1); }
+
+// Flash-style: blocks of the sequence's context in order, a running max and sum per query
+// vector, so one pass reads every key and value block once, where it sits in the cache.
+template <typename q_t, typename kv_t, int NC>
+void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_t* value_cache,
+            const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
+            q_t* out, const Shape& sh, float scale, float k_scale, float v_scale,
+            std::vector<float>& scratch) {
+  const int64_t D = sh.head_dim, H = sh.num_heads, G = sh.group, bs = sh.block_size;
+  const int64_t q_begin = query_start_loc[item.seq];
+  const int64_t q_len = query_start_loc[item.seq + 1] - q_begin;
+  const int64_t seq_len = seq_lens[item.seq];
+  const int64_t rows = item.row_end - item.row_begin;
+  const int64_t vectors = rows * H;  // query vector j = r * H + h
+  // Position of the item's first row: row r sees keys [0, first_pos + r].
+  const int64_t first_pos = seq_len - q_len + item.row_begin;
+  const int64_t num_keys = std::max<int64_t>(first_pos + rows, 0);  // keys the last row sees
+  const int32_t* table = block_tables + item.seq * sh.table_stride;
+  const int64_t block_elems = bs * sh.num_kv_heads * D;
+  const int64_t stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
+  constexpr bool kFloatCache = std::is_same_v<kv_t, float>;
+
+  scratch.resize(2 * vectors * D + 2 * vectors + vectors * bs + (kFloatCache ? 0 : 2 * block_elems));
+  float* q = scratch.data();        // [vectors, D], scaled
+  float* acc = q + vectors * D;     // [vectors, D]
+  float* run_max = acc + vectors * D;
+  float* run_sum = run_max + vectors;
+  float* probs = run_sum + vectors;  // [vectors, bs]: this block's scores, then e^(s - max)
+  float* k_buf = probs + vectors * bs;
+  float* v_buf = k_buf + block_elems;
+
+  for (int64_t j = 0; j < vectors; ++j) {
+    const q_t* src = query + (q_begin + item.row_begin) * H * D + j * D;
+    const float* row = as_float(src, q + j * D, D);
+    for (int64_t d = 0; d < D; ++d) q[j * D + d] = row[d] * (scale * k_scale);
+  }
+  std::fill(acc, acc + vectors * D, 0.f);
+  std::fill(run_max, run_max + vectors, -FLT_MAX);
+  std::fill(run_sum, run_sum + vectors, 0.f);
+
+  for (int64_t c0 = 0; c0 < num_keys; c0 += bs) {
+    const int64_t n = std::min(bs, num_keys - c0);
+    const int64_t block = table[c0 / bs];
+    const float* keys = as_float(key_cache + block * block_elems, k_buf, n * sh.num_kv_heads * D);
+    const float* values = as_float(value_cache + block * block_elems, v_buf, n * sh.num_kv_heads * D);
+    // Row r sees this block's keys [c0, first_pos + r]; earlier rows may see none of them.
+    for (int64_t r = std::max<int64_t>(c0 - first_pos, 0); r < rows; ++r) {
+      const int64_t seen = std::min(n, first_pos + r + 1 - c0);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t j = r * H + h;
+        const float* k = keys + (h / G) * D;
+        const float* v = values + (h / G) * D;
+        float* p = probs + j * bs;
+        const float block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
+        const float new_max = std::max(run_max[j], block_max);
+        const float rescale = std::exp(run_max[j] - new_max);  // 0 for the first block
+        run_sum[j] = run_sum[j] * rescale + exp_shifted(p, seen, new_max);
+        run_max[j] = new_max;
+        block_values<NC>(p, v, stride, seen, D, rescale, acc + j * D);
+      }
+    }
+  }
+  for (int64_t j = 0; j < vectors; ++j) {
+    // A row with no keys (a padded lane, seq_len 0) outputs zeros, as the reference does.
+    const float norm = run_sum[j] > 0.f ? v_scale / run_sum[j] : 0.f;
+    q_t* dst = out + (q_begin + item.row_begin) * H * D + j * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[j * D + d] * norm);
+  }
+}
+
+// Items dealt to threads longest first, each to the least loaded thread, so one long
+// prefill does not leave the other threads idle behind a static split.
+std::vector<std::vector<Item>> plan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_seqs,
+                                    const Shape& sh, int64_t num_threads) {
+  std::vector<std::pair<int64_t, Item>> costed;
+  const int64_t step = tile_rows(sh);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
+    for (int64_t begin = 0; begin < q_len; begin += step) {
+      const int64_t end = std::min(begin + step, q_len);
+      const int64_t keys = std::max<int64_t>(seq_lens[s] - q_len + end, 1);
+      costed.push_back({keys * (end - begin + 1), Item{s, begin, end}});
+    }
+  }
+  std::stable_sort(costed.begin(), costed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::vector<Item>> buckets(num_threads);
+  std::vector<int64_t> load(num_threads, 0);
+  for (const auto& [cost, item] : costed) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    buckets[t].push_back(item);
+    load[t] += cost;
+  }
+  return buckets;
+}
+
+template <typename q_t, typename kv_t>
+void run_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                   double scale, double k_scale, double v_scale, at::Tensor& out) {
+  const Shape sh{query.size(1), key_cache.size(2), key_cache.size(3), query.size(1) / key_cache.size(2),
+                 key_cache.size(1), block_tables.size(1)};
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const auto buckets = plan(qsl, lens, seq_lens.size(0), sh, at::get_num_threads());
+  const q_t* q = query.data_ptr<q_t>();
+  const kv_t* kc = key_cache.data_ptr<kv_t>();
+  const kv_t* vc = value_cache.data_ptr<kv_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  q_t* o = out.data_ptr<q_t>();
+  auto body = sh.head_dim == 64 ? attend<q_t, kv_t, 4> : sh.head_dim == 128 ? attend<q_t, kv_t, 8> : attend<q_t, kv_t, 0>;
+  at::parallel_for(0, static_cast<int64_t>(buckets.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t t = begin; t < end; ++t)
+      for (const Item& item : buckets[t])
+        body(item, q, kc, vc, tables, qsl, lens, o, sh, static_cast<float>(scale), static_cast<float>(k_scale),
+             static_cast<float>(v_scale), scratch);
+  });
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                  const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                  const at::Tensor& out) {
+  for (const at::Tensor* t : {&query, &key_cache, &value_cache, &block_tables, &query_start_loc, &seq_lens, &out}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_cpu: every tensor must be on the CPU");
+    TORCH_CHECK(t->is_contiguous(), "paged_attention_cpu: every tensor must be contiguous");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt,
+              "paged_attention_cpu: block_tables, query_start_loc and seq_lens must be int32");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "paged_attention_cpu: query [T, H, D] and caches [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % key_cache.size(2) == 0,
+              "paged_attention_cpu: head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "paged_attention_cpu: out must be like query");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) >= seq_lens.size(0),
+              "paged_attention_cpu: query_start_loc [num_seqs + 1], block_tables [>= num_seqs, max_blocks]");
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     double scale, double k_scale, double v_scale, at::Tensor out) {
+  check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out);
+  const auto q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
+  TORCH_CHECK(kv_type == q_type || kv_type == at::kFloat8_e4m3fn,
+              "paged_attention_cpu: the cache must have the query's dtype or be float8_e4m3fn");
+#define PAGEDQ_ATTEND(q_t, kv_t)                                                                              \
+  return run_attention<q_t, kv_t>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, \
+                                  k_scale, v_scale, out)
+#define PAGEDQ_FOR_QUERY(q_t)                                               \
+  if (kv_type == at::kFloat8_e4m3fn) PAGEDQ_ATTEND(q_t, c10::Float8_e4m3fn); \
+  PAGEDQ_ATTEND(q_t, q_t)
+  switch (q_type) {
+    case at::kFloat: PAGEDQ_FOR_QUERY(float);
+    case at::kBFloat16: PAGEDQ_FOR_QUERY(c10::BFloat16);
+    case at::kHalf: PAGEDQ_FOR_QUERY(c10::Half);
+    default: TORCH_CHECK(false, "paged_attention_cpu: query must be float32, bfloat16 or float16");
+  }
+#undef PAGEDQ_FOR_QUERY
+#undef PAGEDQ_ATTEND
+}
+
+template <typename in_t, typename cache_t>
+void store_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, double scale) {
+  const int64_t tokens = src.size(0), heads = src.size(1), D = src.size(2);
+  const int64_t token_stride = src.stride(0), head_stride = src.stride(1);
+  const in_t* in = src.data_ptr<in_t>();
+  cache_t* dst = cache.data_ptr<cache_t>();
+  const float fscale = static_cast<float>(scale), limit = 448.f;  // e4m3's largest finite value
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;  // padding: nothing is stored
+      for (int64_t h = 0; h < heads; ++h) {
+        const in_t* row = in + t * token_stride + h * head_stride;
+        cache_t* out = dst + (slots[t] * heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if constexpr (std::is_same_v<cache_t, c10::Float8_e4m3fn>) {
+            out[d] = static_cast<cache_t>(std::clamp(to_float(row[d]) / fscale, -limit, limit));
+          } else {
+            out[d] = row[d];
+          }
+        }
+      }
+    }
+  });
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+              const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  TORCH_CHECK(key.device().is_cpu() && key_cache.device().is_cpu(), "store_kv_cpu: tensors must be on the CPU");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.dim() == 3 && value.stride(2) == 1,
+              "store_kv_cpu: key and value [T, kv_heads, D] with contiguous rows");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "store_kv_cpu: caches must be contiguous");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) && key.sizes() == value.sizes(),
+              "store_kv_cpu: key/value heads and head_dim must match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0),
+              "store_kv_cpu: slot_mapping int64 [num_tokens]");
+  const auto in_type = key.scalar_type(), cache_type = key_cache.scalar_type();
+  TORCH_CHECK(value.scalar_type() == in_type && (cache_type == in_type || cache_type == at::kFloat8_e4m3fn),
+              "store_kv_cpu: the cache must have the key's dtype or be float8_e4m3fn");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+#define PAGEDQ_STORE(in_t)                                                        \
+  if (cache_type == at::kFloat8_e4m3fn) {                                         \
+    store_rows<in_t, c10::Float8_e4m3fn>(key, key_cache, slots, k_scale);        \
+    store_rows<in_t, c10::Float8_e4m3fn>(value, value_cache, slots, v_scale);    \
+  } else {                                                                        \
+    store_rows<in_t, in_t>(key, key_cache, slots, k_scale);                      \
+    store_rows<in_t, in_t>(value, value_cache, slots, v_scale);                  \
+  }                                                                               \
+  return
+  switch (in_type) {
+    case at::kFloat: PAGEDQ_STORE(float);
+    case at::kBFloat16: PAGEDQ_STORE(c10::BFloat16);
+    case at::kHalf: PAGEDQ_STORE(c10::Half);
+    default: TORCH_CHECK(false, "store_kv_cpu: key must be float32, bfloat16 or float16");
+  }
+#undef PAGEDQ_STORE
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedq_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, float k_scale, float v_scale, Tensor(a!) out) -> ()");
+  m.def(
+      "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
+      "float k_scale, float v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
+  m.impl("paged_attention", paged_attention);
+  m.impl("store_kv", store_kv);
+}
