@@ -99,34 +99,45 @@ def _timeouts(options: dict[str, Any]) -> dict[str, Any]:
     return {key: options[key] for key in ("socket_timeout", "socket_connect_timeout") if key in options}
 
 
-def connection_pool(url: str, max_connections: int | None = None, timeout: float | None = None, **options: Any) -> ConnectionPool:
-    """A pool for `url`; bounded and blocking when `max_connections` is given."""
+@dataclass(frozen=True)
+class _PoolKinds:
+    """The pool classes of one redis-py flavour (blocking I/O or asyncio)."""
+
+    pool: type
+    blocking_pool: type
+    sentinel: type
+    sentinel_pool: type
+    blocking_sentinel_pool: type
+
+
+_SYNC = _PoolKinds(ConnectionPool, BlockingConnectionPool, Sentinel, SentinelConnectionPool, _BlockingSentinelPool)
+_ASYNC = _PoolKinds(AsyncConnectionPool, AsyncBlockingConnectionPool, AsyncSentinel, AsyncSentinelConnectionPool,
+                    _AsyncBlockingSentinelPool)
+
+
+def _pool(kinds: _PoolKinds, url: str, max_connections: int | None, timeout: float | None, options: dict[str, Any]):
     if not is_sentinel_url(url):
         if max_connections is None:
-            return ConnectionPool.from_url(url, **options)
-        return BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, **options)
+            return kinds.pool.from_url(url, **options)
+        return kinds.blocking_pool.from_url(url, max_connections=max_connections, timeout=timeout, **options)
     target = SentinelTarget.parse(url)
-    sentinel = Sentinel(target.sentinels, sentinel_kwargs=target._sentinel_kwargs(_timeouts(options)))
+    sentinel = kinds.sentinel(target.sentinels, sentinel_kwargs=target._sentinel_kwargs(_timeouts(options)))
     kwargs = {**target._node_kwargs(), **options, "is_master": True}
     if max_connections is None:
-        return SentinelConnectionPool(target.service, sentinel, **kwargs)
-    return _BlockingSentinelPool(target.service, sentinel, max_connections=max_connections, timeout=timeout, **kwargs)
+        return kinds.sentinel_pool(target.service, sentinel, **kwargs)
+    return kinds.blocking_sentinel_pool(target.service, sentinel, max_connections=max_connections, timeout=timeout, **kwargs)
+
+
+def connection_pool(url: str, max_connections: int | None = None, timeout: float | None = None, **options: Any) -> ConnectionPool:
+    """A pool for `url`; bounded and blocking when `max_connections` is given."""
+    return _pool(_SYNC, url, max_connections, timeout, options)
 
 
 def async_connection_pool(
     url: str, max_connections: int | None = None, timeout: float | None = None, **options: Any
 ) -> AsyncConnectionPool:
     """connection_pool() for redis.asyncio."""
-    if not is_sentinel_url(url):
-        if max_connections is None:
-            return AsyncConnectionPool.from_url(url, **options)
-        return AsyncBlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=timeout, **options)
-    target = SentinelTarget.parse(url)
-    sentinel = AsyncSentinel(target.sentinels, sentinel_kwargs=target._sentinel_kwargs(_timeouts(options)))
-    kwargs = {**target._node_kwargs(), **options, "is_master": True}
-    if max_connections is None:
-        return AsyncSentinelConnectionPool(target.service, sentinel, **kwargs)
-    return _AsyncBlockingSentinelPool(target.service, sentinel, max_connections=max_connections, timeout=timeout, **kwargs)
+    return _pool(_ASYNC, url, max_connections, timeout, options)
 
 
 def connect(url: str, **options: Any) -> Redis:
