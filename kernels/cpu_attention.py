@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.torch_attention import paged_attention_torch
-
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
@@ -96,16 +94,12 @@ def paged_attention_cpu(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    if sliding_window is not None:
-        # The C++ kernel has no window bound yet (see csrc: a raised lower bound on each
-        # row's keys): sliding-window layers take the PyTorch path, which masks it.
-        return paged_attention_torch(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, max_seq_len,
-            out, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
-        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if out is None:
         out = torch.empty_like(query)
     torch.ops.pagedq_cpu.paged_attention(
-        query.contiguous(), key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale, out
+        query.contiguous(), key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
+        sliding_window or 0, out,
     )
     return out

@@ -73,7 +73,7 @@ def test_reference_equals_the_definition_and_differs_from_full_attention():
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [1, 5, WINDOW, 200])
 def test_cpu_paths_match_reference(window, backend):
-    """Both CPU backends (the C++ one hands window layers to the PyTorch path)."""
+    """Both CPU backends: the C++ kernel's raised lower bound (and its skipped blocks) and the PyTorch path's mask."""
     paged_attention = get_attention_backend(backend, "cpu").paged_attention
     batch = make_batch(seed=window)
     got = paged_attention(*batch.attention_args(), sliding_window=window)

@@ -13,9 +13,9 @@
 // and no key or value is copied out of its block. Arithmetic is float32 whatever the
 // storage dtype; an FP8 cache is scaled back by k_scale / v_scale.
 //
-// Row r of an item sees the keys [0, first_pos + r] (`seen` per block below); a sliding
-// window would raise the lower bound to first_pos + r - window + 1 and skip whole blocks
-// below it.
+// Row r of an item sees the keys [0, first_pos + r]; with a sliding window W (> 0) the
+// lower bound rises to first_pos + r - W + 1 (as kernels.reference.outside_window), and
+// blocks wholly below the first row's bound are not read.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -191,7 +191,7 @@ inline int64_t tile_rows(const Shape& sh) { return std::max<int64_t>(kVectorsPer
 template <typename q_t, typename kv_t, int NC>
 void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_t* value_cache,
             const int32_t* block_tables, const int32_t* query_start_loc, const int32_t* seq_lens,
-            q_t* out, const Shape& sh, float scale, float k_scale, float v_scale,
+            q_t* out, const Shape& sh, float scale, float k_scale, float v_scale, int64_t window,
             std::vector<float>& scratch) {
   const int64_t D = sh.head_dim, H = sh.num_heads, G = sh.group, bs = sh.block_size;
   const int64_t q_begin = query_start_loc[item.seq];
@@ -225,18 +225,24 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   std::fill(run_max, run_max + vectors, -FLT_MAX);
   std::fill(run_sum, run_sum + vectors, 0.f);
 
-  for (int64_t c0 = 0; c0 < num_keys; c0 += bs) {
+  // The first row's lowest key (0 without a window); later rows' bounds are higher.
+  const int64_t first_low = window > 0 ? std::max<int64_t>(first_pos - window + 1, 0) : 0;
+  for (int64_t c0 = first_low / bs * bs; c0 < num_keys; c0 += bs) {
     const int64_t n = std::min(bs, num_keys - c0);
     const int64_t block = table[c0 / bs];
     const float* keys = as_float(key_cache + block * block_elems, k_buf, n * sh.num_kv_heads * D);
     const float* values = as_float(value_cache + block * block_elems, v_buf, n * sh.num_kv_heads * D);
-    // Row r sees this block's keys [c0, first_pos + r]; earlier rows may see none of them.
+    // Row r sees this block's keys [c0 + low, c0 + high); earlier rows may see none of them,
+    // and with a window later rows may see none either.
     for (int64_t r = std::max<int64_t>(c0 - first_pos, 0); r < rows; ++r) {
-      const int64_t seen = std::min(n, first_pos + r + 1 - c0);
+      const int64_t high = std::min(n, first_pos + r + 1 - c0);
+      const int64_t low = window > 0 ? std::clamp<int64_t>(first_pos + r - window + 1 - c0, 0, n) : 0;
+      if (high <= low) continue;
+      const int64_t seen = high - low;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t j = r * H + h;
-        const float* k = keys + (h / G) * D;
-        const float* v = values + (h / G) * D;
+        const float* k = keys + low * stride + (h / G) * D;
+        const float* v = values + low * stride + (h / G) * D;
         float* p = probs + j * bs;
         const float block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
         const float new_max = std::max(run_max[j], block_max);
@@ -283,7 +289,7 @@ std::vector<std::vector<Item>> plan(const int32_t* query_start_loc, const int32_
 template <typename q_t, typename kv_t>
 void run_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                   double scale, double k_scale, double v_scale, at::Tensor& out) {
+                   double scale, double k_scale, double v_scale, int64_t window, at::Tensor& out) {
   const Shape sh{query.size(1), key_cache.size(2), key_cache.size(3), query.size(1) / key_cache.size(2),
                  key_cache.size(1), block_tables.size(1)};
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -300,7 +306,7 @@ void run_attention(const at::Tensor& query, const at::Tensor& key_cache, const a
     for (int64_t t = begin; t < end; ++t)
       for (const Item& item : buckets[t])
         body(item, q, kc, vc, tables, qsl, lens, o, sh, static_cast<float>(scale), static_cast<float>(k_scale),
-             static_cast<float>(v_scale), scratch);
+             static_cast<float>(v_scale), window, scratch);
   });
 }
 
@@ -326,14 +332,15 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at
 
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, double k_scale, double v_scale, at::Tensor out) {
+                     double scale, double k_scale, double v_scale, int64_t sliding_window, at::Tensor out) {
   check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out);
+  TORCH_CHECK(sliding_window >= 0, "paged_attention_cpu: sliding_window must be >= 1, or 0 for none");
   const auto q_type = query.scalar_type(), kv_type = key_cache.scalar_type();
   TORCH_CHECK(kv_type == q_type || kv_type == at::kFloat8_e4m3fn,
               "paged_attention_cpu: the cache must have the query's dtype or be float8_e4m3fn");
 #define PAGEDQ_ATTEND(q_t, kv_t)                                                                              \
   return run_attention<q_t, kv_t>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, \
-                                  k_scale, v_scale, out)
+                                  k_scale, v_scale, sliding_window, out)
 #define PAGEDQ_FOR_QUERY(q_t)                                               \
   if (kv_type == at::kFloat8_e4m3fn) PAGEDQ_ATTEND(q_t, c10::Float8_e4m3fn); \
   PAGEDQ_ATTEND(q_t, q_t)
@@ -410,7 +417,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cac
 TORCH_LIBRARY(pagedq_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale, float k_scale, float v_scale, Tensor(a!) out) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, float k_scale, float v_scale, int sliding_window, "
+      "Tensor(a!) out) -> ()");
   m.def(
       "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, "
       "float k_scale, float v_scale) -> ()");
