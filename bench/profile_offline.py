@@ -20,16 +20,18 @@ from pagedq.bench.workload import LengthRange, make_workload
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
-parser.add_argument("--backend", default="auto", help="attention backend: auto, cpu or torch")
+parser.add_argument("--device", default="cpu", help="cpu or cuda (on CUDA the profile shows the host's share of a step)")
+parser.add_argument("--backend", default="auto", help="attention backend: auto, cpu, torch or triton")
 parser.add_argument("--dtype", default="float32")
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--num-prompts", type=int, default=64)
+parser.add_argument("--max-len", type=int, default=256, help="prompt and output lengths are uniform in 32..this")
 parser.add_argument("--top", type=int, default=15)
 args = parser.parse_args()
 
 torch.set_num_threads(args.threads)
-llm = LLM(model=args.model, dtype=args.dtype, device="cpu", attention_backend=args.backend)
-workload = make_workload(args.num_prompts, LengthRange(32, 256), LengthRange(32, 256),
+llm = LLM(model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.backend)
+workload = make_workload(args.num_prompts, LengthRange(32, args.max_len), LengthRange(32, args.max_len),
                          llm.llm_engine.runner.vocab_size, seed=0, temperature=0.0)
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
 prompts = [{"prompt_token_ids": p} for p in workload.prompts]

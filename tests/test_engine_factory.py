@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedq.settings import Settings
+from worker.host_threads import limit_host_threads_for_gpu, set_torch_threads
 from worker.rq.engine_factory import build_engine
 
 
 def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # build_engine sets it (the worker's thread count): restored after
     for name, value in {
         "MODEL": str(tiny_model_dir("llama")), "DEVICE": "cpu", "KV_CACHE_DTYPE": "fp8",
         "ENABLE_PREFIX_CACHING": "false", "PREEMPTION_MODE": "swap", "SWAP_SPACE": "0.001",
@@ -26,3 +29,19 @@ def test_a_bad_engine_setting_is_a_clear_error(tiny_model_dir):
     settings = Settings(model=str(tiny_model_dir("llama")), device="cpu", preemption_mode="sometimes")
     with pytest.raises(ValueError, match="preemption_mode"):
         build_engine(settings)
+
+
+def test_a_cuda_engine_shrinks_the_host_thread_pool_unless_told(monkeypatch):
+    # setenv first so that monkeypatch restores the variable's absence afterwards.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        limit_host_threads_for_gpu()
+        assert torch.get_num_threads() == 1
+        set_torch_threads(2)  # explicit, as PAGEDQ_TORCH_THREADS or bench --threads do
+        limit_host_threads_for_gpu()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

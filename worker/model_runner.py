@@ -13,6 +13,7 @@ from kernels import AttentionMetadata, get_attention_backend
 from pagedq.config import EngineArgs
 from scheduler import SchedulerOutput
 from worker.cuda_graphs import DecodeGraphs
+from worker.host_threads import limit_host_threads_for_gpu
 from worker.kv_cache import KVCache, kv_cache_dtype
 from worker.models import load_model
 
@@ -112,6 +113,8 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, hf_config, max_model_len: int):
         self.args = args
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda":
+            limit_host_threads_for_gpu()
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.block_size = args.block_size
         self.max_model_len = max_model_len

@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         device_description, load_average, model_description, throughput_table, versions, write_json,
     )
     from pagedq.bench.vllm_peer import VLLMPeerError
+    from worker.host_threads import set_torch_threads
 
     if args.verify:
         args.greedy = True
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify and ("pagedq" not in args.peers or len(args.peers) < 2):
         raise CommandError("--verify: needs pagedq and at least one other peer in --peers")
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        set_torch_threads(args.threads)
     print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads); "
           f"{workload.num_requests} requests, input {workload.input_len}, output {workload.output_len}, "
           f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos; "

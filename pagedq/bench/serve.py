@@ -270,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedq.bench.pagedq_peer import PagedqPeer
     from pagedq.bench.peer import measure
     from pagedq.bench.report import device_description, model_description, versions, write_json
+    from worker.host_threads import set_torch_threads
     from worker.rq.engine_factory import torch_threads
 
     hf_config, device, dtype, workload = resolve_model_and_workload(args)
@@ -286,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         # The worker's thread count (see worker.rq.engine_factory), so the ratio isolates the HTTP + Redis path.
         threads = torch_threads(_own_service_settings(args, workload, Path()), device)
         if threads is not None:
-            torch.set_num_threads(threads)
+            set_torch_threads(threads)
         offline = measure(PagedqPeer(args.model, device, dtype, args.seed), workload, device, progress=False).summary()
         offline["torch_threads"] = torch.get_num_threads()
 

@@ -28,14 +28,13 @@ def torch_threads(settings: Settings, device: torch.device) -> int | None:
 
 
 def build_engine(settings: Settings) -> LLMEngine:
-    import torch
-
     from pagedq import LLMEngine
+    from worker.host_threads import set_torch_threads
     from worker.model_runner import resolve_device
 
     threads = torch_threads(settings, resolve_device(settings.device))
     if threads is not None:
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
     # Settings named as EngineArgs' fields pass through when given.
     given = {name: getattr(settings, name) for name in _ENGINE_SETTINGS if getattr(settings, name) is not None}
     args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
