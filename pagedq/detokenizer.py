@@ -22,6 +22,8 @@ complete the character.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedq.sampling_params import SamplingParams
 
 # Prompt tokens decoded as left context of the first output token (vLLM uses 5 too).
@@ -32,7 +34,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = ids_decoder(tokenizer)
         self._skip_special_tokens = params.skip_special_tokens
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self._stop_strings = params.stop_strings
@@ -107,10 +109,10 @@ class IncrementalDetokenizer:
         return ([], "") if text.endswith(_REPLACEMENT_CHAR) else (context, text)
 
     def decode_token(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._decode_ids([token_id], False)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(token_ids, self._skip_special_tokens)
 
     def _append_window_text(self, final: bool) -> None:
         window_text = self._decode(self._window)
@@ -147,6 +149,32 @@ class IncrementalDetokenizer:
         self._text = self._text[: index + len(stop) if self._include_stop_str else index]
         self._done = True
         return stop
+
+
+def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)` with tokenizer.decode's result, through the fastest
+    path that gives it. transformers' decode spends ~10 us a call on argument handling
+    around the tokenizers library's own decode (on an H100 run, 1.0 s of the detokenizer's
+    1.2 s of host time; bench/results/2026-11-24-h100.md), and the detokenizer calls it
+    twice per token. Where transformers returns the library's text unchanged (its fast
+    tokenizer class, neither decode step overridden, no space clean-up), the library is
+    called directly; any other tokenizer goes through transformers."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        TokenizersBackend is not None
+        and isinstance(backend, Tokenizer)
+        and type(tokenizer).decode is PreTrainedTokenizerBase.decode
+        and type(tokenizer)._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def _special_ids(tokenizer) -> frozenset[int]:

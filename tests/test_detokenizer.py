@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pagedq.sampling_params import SamplingParams
-from pagedq.detokenizer import IncrementalDetokenizer
+from pagedq.detokenizer import IncrementalDetokenizer, ids_decoder
 
 EOS = "<|endoftext|>"
 CORPUS = [
@@ -358,3 +359,27 @@ def test_consecutive_special_tokens_show_as_their_content(spaces_between_special
     detok = IncrementalDetokenizer(tok, [hello], params)
     stream(detok, [bos, eos, eos, world], [1])
     assert detok.output_text == "<s></s></s> world"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [False, True])
+@pytest.mark.parametrize("make_tokenizer", [byte_level_tokenizer, sentencepiece_tokenizer])
+def test_ids_decoder_skips_transformers_but_not_its_result(make_tokenizer, skip_special_tokens, monkeypatch):
+    tok = make_tokenizer()
+    rng = random.Random(0)
+    samples = [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    want = [tok.decode(ids, skip_special_tokens=skip_special_tokens) for ids in samples]
+    decode = ids_decoder(tok)
+
+    def through_transformers(*args, **kwargs):
+        raise AssertionError("the tokenizers library should have been called directly")
+
+    monkeypatch.setattr(tok, "decode", through_transformers)
+    assert [decode(ids, skip_special_tokens) for ids in samples] == want
+
+
+def test_ids_decoder_leaves_space_clean_up_to_transformers(monkeypatch):
+    tok = byte_level_tokenizer()
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    calls = []
+    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens: calls.append(ids) or "cleaned")
+    assert ids_decoder(tok)([5, 6], False) == "cleaned" and calls == [[5, 6]]
