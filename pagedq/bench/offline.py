@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         device_description, load_average, model_description, throughput_table, versions, write_json,
     )
     from pagedq.bench.vllm_peer import VLLMPeerError
-    from worker.host_threads import set_torch_threads
+    from worker.host_threads import limit_host_threads_for_gpu, set_torch_threads
 
     if args.verify:
         args.greedy = True
@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--verify: needs pagedq and at least one other peer in --peers")
     if args.threads is not None:
         set_torch_threads(args.threads)
+    elif device.type == "cuda":
+        limit_host_threads_for_gpu()  # what pagedq's engine does anyway, here for every peer alike
     print(f"model {args.model} on {device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads); "
           f"{workload.num_requests} requests, input {workload.input_len}, output {workload.output_len}, "
           f"{'greedy' if workload.temperature == 0 else f'temperature {workload.temperature}'}, ignore_eos; "
