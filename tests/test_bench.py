@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import pytest
 
@@ -163,6 +164,22 @@ def test_serve_starts_its_own_service_and_compares_with_offline(model_dir, tmp_p
     serve_row = next(line for line in out.splitlines() if line.startswith("pagedq serve"))
     assert "6/6" in serve_row and str(total) in serve_row
     assert f"serve / offline output throughput: {record['serve_over_offline']:.2f}x" in out
+
+
+@pytest.mark.parametrize("pace", [[], ["--request-rate", "200"]])
+def test_submit_times_every_request_and_leaves_the_jobs_queued(model_dir, tmp_path, capsys, pace):
+    report = tmp_path / "submit.json"
+    argv = ["bench", "submit", "--model", model_dir, "--concurrency", "12", "--rounds", "2", "--json", str(report), *pace]
+    assert main(argv) == 0
+    record = json.loads(report.read_text())
+    assert record["request_rate"] == (200 if pace else None) and len(record["rounds"]) == 2
+    for index, row in enumerate(record["rounds"]):
+        assert row["errors"] == [] and 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+        if pace:
+            # The round lasts at least until its last (seeded) arrival was sent.
+            gaps = random.Random(index)
+            assert row["seconds"] >= sum(gaps.expovariate(200) for _ in range(11))
+    assert ("Poisson arrivals at 200/s" if pace else "all at once") in capsys.readouterr().out
 
 
 def test_serve_against_nothing_is_a_clear_error(model_dir, capsys):

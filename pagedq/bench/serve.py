@@ -22,22 +22,12 @@ import httpx
 
 from pagedq.bench.latency import RequestTiming, summarize
 from pagedq.bench.offline import add_model_arguments, resolve_model_and_workload
-from pagedq.bench.workload import Workload, add_workload_arguments, positive_int
+from pagedq.bench.workload import Workload, add_workload_arguments, positive_float, positive_int
 from pagedq.cli import CommandError
 from pagedq.client import SSEParser
 
 WARMUP_REQUESTS = 2
 WARMUP_OUTPUT_LEN = 4
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

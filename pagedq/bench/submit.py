@@ -1,6 +1,8 @@
 """`pagedq bench submit`: how fast the api accepts jobs. N clients, each on its own
 keep-alive connection (opened before the clock starts), send POST /generate with a text
-prompt (tokenized by the api) at the same instant; per-request latency and submits/s.
+prompt (tokenized by the api) at the same instant, or with `--request-rate` at Poisson
+arrivals of that rate (as `vllm bench serve` paces its requests); per-request latency,
+from that request's own send, and submits/s.
 
 Without `--url` it starts its own Redis and `pagedq api --workers W` (no engine worker:
 the jobs stay queued, so only the submit path is measured). The client is raw asyncio
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -24,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pagedq.bench.latency import percentile
-from pagedq.bench.workload import positive_int
+from pagedq.bench.workload import positive_float, positive_int
 from pagedq.cli import CommandError
 
 _PROMPT = "Summarize the following note in one sentence: the quick brown fox jumps over the lazy dog, {i} times."
@@ -35,12 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running pagedq api (default: start one here)")
     parser.add_argument("--api-key", help="bearer key for --url")
     parser.add_argument("--concurrency", type=positive_int, default=500, help="requests sent at once (default 500)")
+    parser.add_argument("--request-rate", type=positive_float, metavar="PER_S",
+                        help="send at Poisson arrivals of this rate instead of all at once")
     parser.add_argument("--rounds", type=positive_int, default=3, help="times to repeat the burst (default 3)")
     parser.add_argument("--api-workers", type=positive_int, default=1, help="`pagedq api --workers` of its own api")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
 
 
-async def _burst(host: str, port: int, api_key: str | None, count: int, round_index: int) -> tuple[list[float], float, list[str]]:
+async def _burst(
+    host: str, port: int, api_key: str | None, count: int, round_index: int, request_rate: float | None = None,
+) -> tuple[list[float], float, list[str]]:
     connections = [await asyncio.open_connection(host, port) for _ in range(count)]
     auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     requests = []
@@ -56,6 +63,7 @@ async def _burst(host: str, port: int, api_key: str | None, count: int, round_in
     async def one(i: int, start: float) -> None:
         reader, writer = connections[i]
         writer.write(requests[i])
+        start = time.perf_counter() if request_rate else start
         status_line = await reader.readline()
         length = 0
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -69,7 +77,18 @@ async def _burst(host: str, port: int, api_key: str | None, count: int, round_in
         writer.close()
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(i, start) for i in range(count)))
+    if request_rate is None:
+        await asyncio.gather(*(one(i, start) for i in range(count)))
+    else:
+        # Each send waits for its arrival time on the clock, so that the sleeps' own
+        # overshoot does not pile up into a lower rate than asked for.
+        gaps = random.Random(round_index)
+        arrival, sent = 0.0, []
+        for i in range(count):
+            await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+            sent.append(asyncio.create_task(one(i, start)))
+            arrival += gaps.expovariate(request_rate)
+        await asyncio.gather(*sent)
     return latencies, time.perf_counter() - start, errors
 
 
@@ -116,10 +135,13 @@ def run(args: argparse.Namespace) -> int:
             # Warm-up (not timed): tokenizer, pools, code paths.
             asyncio.run(_burst(host, port, args.api_key, 20, -1))
             rows, failed = [], 0
-            print(f"{args.concurrency} concurrent POST /generate, {args.rounds} rounds; "
+            pace = f"Poisson arrivals at {args.request_rate:g}/s" if args.request_rate else "all at once"
+            print(f"{args.concurrency} POST /generate on their own connections, {pace}, {args.rounds} rounds; "
                   f"api workers: {args.api_workers if not args.url else '?'}; load: {os.getloadavg()[0]:.2f}")
             for round_index in range(args.rounds):
-                latencies, seconds, errors = asyncio.run(_burst(host, port, args.api_key, args.concurrency, round_index))
+                latencies, seconds, errors = asyncio.run(
+                    _burst(host, port, args.api_key, args.concurrency, round_index, args.request_rate)
+                )
                 failed += len(errors)
                 ms = [latency * 1000 for latency in latencies]
                 rows.append({"round": round_index + 1, "seconds": seconds, "submits_per_s": args.concurrency / seconds,
@@ -142,5 +164,6 @@ def run(args: argparse.Namespace) -> int:
             if redis_server is not None:
                 redis_server.stop()
     if args.json:
-        Path(args.json).write_text(json.dumps({"concurrency": args.concurrency, "api_workers": args.api_workers, "rounds": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"concurrency": args.concurrency, "request_rate": args.request_rate,
+                                               "api_workers": args.api_workers, "rounds": rows}, indent=2))
     return 1 if failed else 0
