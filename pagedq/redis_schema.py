@@ -231,6 +231,22 @@ return lost
 """
 
 
+def queue_fenced_commands(pipeline: Pipeline, writes: list[tuple[str, str, Pipeline]]) -> None:
+    """Queue on `pipeline` one FENCED_COMMANDS_SCRIPT call that replays, per (job key,
+    execution composite key, recorder), the commands recorded on `recorder` (a pipeline
+    that never runs: RQ's own methods write to it) if that execution still owns the job.
+    The call's reply: the 1-based positions of the writes refused."""
+    keys: list[str] = []
+    args: list = []
+    for job_key, execution_key, recorder in writes:
+        commands = [command for command, _ in recorder.command_stack]
+        keys.append(job_key)
+        args += [execution_key, len(commands)]
+        for command in commands:
+            args += [len(command), *command]
+    pipeline.eval(FENCED_COMMANDS_SCRIPT, len(keys), *keys, *args)
+
+
 def _append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: dict[str, str]) -> None:
     key = stream_key(seq_id)
     pipeline.xadd(key, fields)

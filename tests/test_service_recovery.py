@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+import torch
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -203,3 +204,51 @@ def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model
         assert text == client.result(seq_id)["text"]
         assert counts == sorted(counts)  # no stale `... 52 53 8 54 ...`
         assert job.meta["progress"]["attempt"] == 2
+
+
+def test_a_failure_or_drain_writes_nothing_for_a_job_rerun_elsewhere(model, tmp_path):
+    """Fencing of the failure and drain paths, in the worker's own loop (in this process,
+    so its engine can be made to fail on demand): two jobs start here, then both are
+    handed to another execution (as a reaper and a second worker would after a stall).
+    An engine failure would have RQ retry the first (requeue) or fail it; a drain would
+    requeue the second. Neither may happen: the other execution owns them now."""
+    from rq import Queue, Retry
+
+    from pagedq.redis_schema import JOB_FUNCTION, record_execution
+    from worker.rq.batch_worker import BatchWorker
+    from worker.rq.engine_factory import build_engine
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    threads = torch.get_num_threads()
+    try:
+        redis = Redis.from_url(redis_server.url)
+        settings = service_settings(model, redis_server.url, tmp_path, queue_name="fencing", job_retries=2)
+        queue = Queue("fencing", connection=redis, serializer=JSONSerializer)
+        for seq_id in ("fenced-fail", "fenced-drain"):
+            kwargs = {"prompt": None, "prompt_token_ids": [5, 6, 7], "beam": None, "priority": 0,
+                      "sampling": {"max_tokens": 200, "temperature": 0, "ignore_eos": True},
+                      "enqueued_at": time.time(), "stream": True}
+            queue.enqueue_job(queue.create_job(JOB_FUNCTION, kwargs=kwargs, job_id=seq_id, retry=Retry(max=2)))
+        worker = BatchWorker(build_engine(settings), settings, Redis.from_url(redis_server.url))
+        worker.bootstrap()
+        try:
+            wait_until(lambda: worker._tick() or len(worker.inflight) == 2, 30, "both jobs to start here")
+            entries = {entry.job.id: entry for entry in worker.inflight.values()}
+            with redis.pipeline() as pipeline:
+                for job in jobs(redis, list(entries)):
+                    record_execution(pipeline, job, f"{job.id}:another-execution")
+                pipeline.execute()
+            drained = worker.inflight.pop(entries["fenced-drain"].request_id)  # kept for the drain below
+            worker._fail_inflight((RuntimeError, RuntimeError("engine failure"), None))
+            worker.inflight[drained.request_id] = drained
+            worker._requeue_inflight()
+        finally:
+            worker.teardown()
+        assert queue.count == 0, "a job owned by another execution was queued again"
+        for job in jobs(redis, ["fenced-fail", "fenced-drain"]):
+            assert job.get_status() == "started" and job.latest_result() is None
+            assert job.retries_left == 2
+        assert queue.failed_job_registry.count == 0
+    finally:
+        torch.set_num_threads(threads)
+        redis_server.stop()

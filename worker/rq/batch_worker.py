@@ -70,7 +70,6 @@ from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
 from pagedq.redis_connection import connect
 from pagedq.redis_schema import (
-    FENCED_COMMANDS_SCRIPT,
     JOB_FUNCTION,
     InvalidJob,
     Progress,
@@ -78,6 +77,7 @@ from pagedq.redis_schema import (
     batch_queue_name,
     cancels_key,
     publish_end,
+    queue_fenced_commands,
     record_execution,
 )
 from pagedq.settings import Settings
@@ -207,6 +207,8 @@ class BatchWorker(BaseWorker):
         self._stranded_since: dict[tuple[str, str], float] = {}
         # Job ids named by stop-job commands; filled by RQ's pubsub thread.
         self._stop_requests: set[str] = set()
+        # Jobs whose failure also ends their stream ("end", failed), in the same fenced write.
+        self._end_streams_on_failure: set[str] = set()
         self._draining = False
         self._drain_deadline = math.inf
         self._suspended = False
@@ -229,11 +231,44 @@ class BatchWorker(BaseWorker):
             fields["metrics_port"] = self.metrics_port
         return fields
 
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        # RQ writes the job's heartbeat here, outside any fence: it is written with the
+        # rest of the failure instead (handle_job_failure), the one path that gets here.
+        job.ended_at = utcnow()
+
     def handle_job_failure(self, job: Job, queue: Queue, started_job_registry=None, exc_string="", execution=None):
-        # Every failure path of this worker ends here (RQ decides on the retry).
-        requeued = job.should_retry and self._stopped_job_id != job.id
-        super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
-        if requeued:
+        """Every failure path of this worker ends here. RQ's failure writes (status, the
+        failed result or the retry's requeue, registries, counters) are recorded and sent
+        as one fenced script, as the success path's are: a job that was reaped and rerun
+        elsewhere while it failed here is left to its new run, never failed or requeued a
+        second time. Our jobs have no dependents, webhooks or rate limits, the parts of
+        RQ's path left out."""
+        stopped = self._stopped_job_id == job.id
+        retry = job.should_retry and not stopped
+        if stopped:
+            self._stopped_job_id = None
+        recorder = self.connection.pipeline(transaction=False)
+        job.heartbeat(job.ended_at or utcnow(), self.settings.heartbeat_ttl_s, pipeline=recorder)
+        if stopped or not retry:
+            job.set_status(JobStatus.STOPPED if stopped else JobStatus.FAILED, pipeline=recorder)
+        self.cleanup_execution(job, pipeline=recorder, execution=execution)
+        if not retry:
+            job._handle_failure(exc_string, pipeline=recorder, worker_name=self.name, execution_id=execution.id,
+                                execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
+        self.increment_failed_job_count(recorder)
+        if job.started_at and job.ended_at:
+            self.increment_total_working_time(job.ended_at - job.started_at, recorder)
+        if retry:
+            job.retry(queue, recorder)
+        if job.id in self._end_streams_on_failure:
+            self._end_streams_on_failure.discard(job.id)
+            publish_end(recorder, job.id, "failed", self.settings.stream_ttl_s)
+        with self.connection.pipeline(transaction=False) as pipeline:
+            queue_fenced_commands(pipeline, [(job.key, execution.composite_key, recorder)])
+            refused = pipeline.execute()[0]
+        if refused:
+            self.log.info("Worker %s: job %s failed here but is no longer ours: failure not recorded", self.name, job.id)
+        elif retry:
             self.metrics.jobs_requeued += 1
         else:
             self.metrics.jobs_failed += 1
@@ -575,8 +610,7 @@ class BatchWorker(BaseWorker):
         recorded on a pipeline that never runs), then its stream's "end" (after the
         result, so a client that sees "end" can read it). Our jobs have no dependents,
         repeats, callbacks or rate limits, the parts of RQ's path left out."""
-        keys: list[str] = []
-        args: list = []
+        writes = []
         ttl = self.settings.stream_ttl_s
         for entry in entries:
             job, execution = entry.job, entry.execution
@@ -594,12 +628,8 @@ class BatchWorker(BaseWorker):
             job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
             execution.delete(job=job, pipeline=recorder)
             publish_end(recorder, job.id, "finished", ttl, finish_reason=entry.result.finish_reason or "")
-            commands = [command for command, _ in recorder.command_stack]
-            keys.append(job.key)
-            args += [execution.composite_key, len(commands)]
-            for command in commands:
-                args += [len(command), *command]
-        pipeline.eval(FENCED_COMMANDS_SCRIPT, len(keys), *keys, *args)
+            writes.append((job.key, execution.composite_key, recorder))
+        queue_fenced_commands(pipeline, writes)
 
     def _result_of(self, entry: InFlight) -> bool:
         """Build a finished request's result once; False if the engine failed it alone
@@ -620,12 +650,10 @@ class BatchWorker(BaseWorker):
         if not entries:
             return
         self._forget(entries)
-        with self.connection.pipeline(transaction=False) as pipeline:
-            for entry in entries:
-                entry.job.retries_left = 0
-                self._finalize_failure(entry.job, entry.queue, entry.execution, _raised(RequestFailed(entry.error)))
-                publish_end(pipeline, entry.job.id, "failed", self.settings.stream_ttl_s)
-            pipeline.execute()
+        for entry in entries:
+            entry.job.retries_left = 0
+            self._end_streams_on_failure.add(entry.job.id)
+            self._finalize_failure(entry.job, entry.queue, entry.execution, _raised(RequestFailed(entry.error)))
 
     def _record_successes(self, entries: list[InFlight], lost_positions: list[int]) -> None:
         lost = {entries[position - 1].request_id for position in lost_positions}
@@ -681,15 +709,21 @@ class BatchWorker(BaseWorker):
         self.log.info("Worker %s: requeueing %d unfinished jobs", self.name, len(self.inflight))
         entries = list(self.inflight.values())
         self._forget(entries)
-        with self.connection.pipeline() as pipeline:
-            for entry in entries:
-                self.cleanup_execution(entry.job, pipeline, entry.execution)
-            pipeline.execute()
-        # One at a time (enqueue_job opens its own transaction), last first, so they
-        # stand at the queue's front in the order they came.
+        # Fenced: a job reaped and rerun elsewhere meanwhile must not be queued again.
+        # Last first, so they stand at the queue's front in the order they came.
+        writes = []
         for entry in reversed(entries):
-            entry.queue.enqueue_job(entry.job, at_front=True)
-        self.metrics.jobs_requeued += len(entries)
+            recorder = self.connection.pipeline(transaction=False)
+            self.cleanup_execution(entry.job, recorder, entry.execution)
+            # As RQ's retry requeues (enqueue_job would open a transaction on the recorder).
+            entry.queue._enqueue_job(entry.job, pipeline=recorder, at_front=True)
+            writes.append((entry.job.key, entry.execution.composite_key, recorder))
+        with self.connection.pipeline(transaction=False) as pipeline:
+            queue_fenced_commands(pipeline, writes)
+            refused = pipeline.execute()[0]
+        if refused:
+            self.log.info("Worker %s: %d of them were no longer ours: not requeued", self.name, len(refused))
+        self.metrics.jobs_requeued += len(entries) - len(refused)
 
 
 def _raised(exc: BaseException):
