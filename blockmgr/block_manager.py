@@ -151,15 +151,21 @@ class BlockManager:
     def blocks_to_grow(self, seq_id: str, write_from: int, num_tokens: int) -> int:
         return self._blocks_to_write(self._tables.get(seq_id, []), write_from, num_tokens)
 
-    def can_grow(self, seq_id: str, write_from: int, num_tokens: int) -> bool:
-        return self.blocks_to_grow(seq_id, write_from, num_tokens) <= self.num_free_blocks
-
     def grow(self, seq_id: str, write_from: int, num_tokens: int) -> BlockCopies:
         """Make room for tokens up to `num_tokens` and make the blocks covering positions
         [write_from, num_tokens) private and mutable (all or nothing)."""
-        needed = self.blocks_to_grow(seq_id, write_from, num_tokens)
-        if needed > self.num_free_blocks:
+        copies = self.try_grow(seq_id, write_from, num_tokens)
+        if copies is None:
+            needed = self.blocks_to_grow(seq_id, write_from, num_tokens)
             raise NoFreeBlocksError(f"{seq_id}: needs {needed} more blocks, {self.num_free_blocks} free")
+        return copies
+
+    def try_grow(self, seq_id: str, write_from: int, num_tokens: int) -> BlockCopies | None:
+        """grow(), or None with nothing changed when the free blocks do not suffice (one
+        pass instead of a check then a grow: the scheduler asks this of every running
+        sequence at every step)."""
+        if self._blocks_to_write(self._tables.get(seq_id, []), write_from, num_tokens) > self.num_free_blocks:
+            return None
         self._tables.setdefault(seq_id, [])
         self._keys.setdefault(seq_id, [])
         return self._make_writable(seq_id, write_from, num_tokens)

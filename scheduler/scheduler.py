@@ -155,7 +155,7 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             target = start + min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_grow(seq.seq_id, start, target):
+            while (copies := bm.try_grow(seq.seq_id, start, target)) is None:
                 # Sorted, so the last running sequence is the lowest-priority newest one;
                 # it has not been scheduled yet this step (it is at or after index i).
                 victim = self.running[-1]
@@ -164,7 +164,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            out.block_copies += bm.grow(seq.seq_id, start, target)
+            out.block_copies += copies
             out.scheduled.append(ScheduledSequence(seq, target - start))
             budget -= target - start
             i += 1
