@@ -195,6 +195,9 @@ class LLMEngine:
             seq.token_ids = list(parent.token_ids)
             seq.output_token_ids = list(parent.output_token_ids)
             seq.cumulative_logprob = parent.cumulative_logprob
+        elif params.logprobs is not None or request.beam_search is not None:
+            # Beams rank by it; other requests carry it only when they ask for logprobs (vLLM V1).
+            seq.cumulative_logprob = 0.0
         if params.logprobs is not None:
             seq.logprobs = []
         if params.seed is not None:
@@ -472,12 +475,13 @@ class LLMEngine:
         ]
         return True
 
-    def _append(self, seq: Sequence, token: int, logprob: float, top_logprobs, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top_logprobs, now: float) -> None:
         request = seq.request
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         seq.append_token(token)
-        seq.cumulative_logprob += logprob
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
         self.counters.generation_tokens += 1
         if seq.logprobs is not None and top_logprobs is not None:
             if seq.detokenizer is not None:

@@ -38,8 +38,9 @@ class SamplingRow(Protocol):
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Logprob of each sampled token under the raw model distribution (for cumulative_logprob).
-    logprobs: list[float]
+    # Logprob of each sampled token under the raw model distribution (for
+    # cumulative_logprob), for rows that asked for logprobs; None for the others.
+    logprobs: list[float | None]
     # Per row when params.logprobs is not None: the top-`logprobs` tokens plus the sampled one.
     top_logprobs: list[dict[int, Logprob] | None]
 
@@ -72,14 +73,22 @@ class Sampler:
         processed = _apply_penalties(self._mask_stops_before_min_tokens(raw, rows), rows)
         token_ids = self._choose_tokens(processed, rows)
 
-        log_normalizer = torch.logsumexp(raw, dim=-1)
-        sampled_logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer
-        top_logprobs = _top_logprobs(raw, log_normalizer, token_ids, params)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=sampled_logprobs.tolist(),
-            top_logprobs=top_logprobs,
-        )
+        # Normalised only for rows that asked for logprobs: as in vLLM V1, the others get
+        # no cumulative_logprob, and a logsumexp over the vocabulary of every row cost 3%
+        # of a greedy 56M run on the CPU.
+        logprobs: list[float | None] = [None] * len(rows)
+        top_logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            index = torch.tensor(wanted, device=raw.device) if len(wanted) < len(rows) else None
+            wanted_raw = raw if index is None else raw[index]
+            chosen = token_ids if index is None else token_ids[index]
+            normalizer = torch.logsumexp(wanted_raw, dim=-1)
+            sampled = (wanted_raw.gather(1, chosen[:, None]).squeeze(1) - normalizer).tolist()
+            tops = _top_logprobs(wanted_raw, normalizer, chosen, [params[i] for i in wanted])
+            for j, i in enumerate(wanted):
+                logprobs[i], top_logprobs[i] = sampled[j], tops[j]
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs)
 
     def _mask_stops_before_min_tokens(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
@@ -218,33 +227,27 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def _top_logprobs(
-    raw: torch.Tensor,
+    logits: torch.Tensor,
     log_normalizer: torch.Tensor,
-    token_ids: torch.Tensor,
+    chosen: torch.Tensor,
     params: Sequence[SamplingParams],
-) -> list[dict[int, Logprob] | None]:
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    result: list[dict[int, Logprob] | None] = [None] * len(params)
-    if not wanted:
-        return result
-    index = torch.tensor(wanted, device=raw.device)
-    logits = raw[index]
-    normalizer = log_normalizer[index][:, None]
-    chosen = token_ids[index]
+) -> list[dict[int, Logprob]]:
+    """Per row (every row asked for logprobs): the top-`logprobs` tokens plus the sampled one."""
+    normalizer = log_normalizer[:, None]
     chosen_logit = logits.gather(1, chosen[:, None])
     # vLLM's rank: 1 + number of tokens strictly more likely than the sampled one.
     ranks = (logits > chosen_logit).sum(dim=-1) + 1
-    max_k = max(params[i].logprobs for i in wanted)
+    max_k = max(p.logprobs for p in params)
     top_values, top_ids = logits.topk(max_k, dim=-1)
     top_values, top_ids = (top_values - normalizer).tolist(), top_ids.tolist()
     chosen_logprobs = (chosen_logit.squeeze(1) - normalizer.squeeze(1)).tolist()
     chosen, ranks = chosen.tolist(), ranks.tolist()
-    for j, i in enumerate(wanted):
-        k = params[i].logprobs
+    result = []
+    for j, p in enumerate(params):
         entry = {
             token: Logprob(logprob=value, rank=rank + 1)
-            for rank, (token, value) in enumerate(zip(top_ids[j][:k], top_values[j][:k]))
+            for rank, (token, value) in enumerate(zip(top_ids[j][: p.logprobs], top_values[j][: p.logprobs]))
         }
         entry.setdefault(chosen[j], Logprob(logprob=chosen_logprobs[j], rank=ranks[j]))
-        result[i] = entry
+        result.append(entry)
     return result

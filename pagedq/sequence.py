@@ -91,7 +91,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
+    # None unless the request asked for logprobs (vLLM V1).
+    cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     num_preemptions: int = 0
     # Set by the engine: per-sequence RNG (when seeded) and incremental detokenizer.

@@ -62,7 +62,7 @@ def run(llm: LLM, params: BeamSearchParams, eos: set[int]):
 
 def test_beam_width_one_is_greedy(model_dir):
     llm = LLM(str(model_dir), dtype="float32", device="cpu")
-    greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)
     beams = run(llm, BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True), set())
     for prompt, g, b in zip(PROMPTS, greedy, beams):
         (only,) = b.sequences

@@ -323,6 +323,21 @@ def test_logprobs_and_cumulative_logprob(llama_dir, llama):
     assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
+def test_cumulative_logprob_only_with_logprobs_as_in_vllm_v1(llama):
+    """vLLM V1 reports cumulative_logprob only for requests that ask for logprobs (None
+    otherwise); logprobs=0 asks for the sampled token's alone. Rows of both kinds share
+    one batch, and the logprobs of a row that asked do not depend on its neighbours."""
+    prompts = [{"prompt_token_ids": [31, 32, 33, 34]}, {"prompt_token_ids": [40, 41]}]
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=4, logprobs=0)
+    mixed = llama.generate(prompts, [plain, with_logprobs], use_tqdm=False)
+    assert mixed[0].outputs[0].cumulative_logprob is None and mixed[0].outputs[0].logprobs is None
+    alone = llama.generate(prompts[1:], with_logprobs, use_tqdm=False)[0].outputs[0]
+    completion = mixed[1].outputs[0]
+    assert [list(entry) for entry in completion.logprobs] == [[t] for t in completion.token_ids]
+    assert completion.cumulative_logprob == pytest.approx(alone.cumulative_logprob, abs=1e-5) and alone.cumulative_logprob < 0
+
+
 def test_metrics_are_ordered(llama):
     out = llama.generate(["hello there"], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     m = out.metrics
