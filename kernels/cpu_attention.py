@@ -28,7 +28,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 # No -ffast-math: the kernel's fp32 results stay within rounding of the reference's.
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math"]
+# -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled
+# into this extension; without the flag the pragma is dropped and every call runs on one
+# thread (seen: attention took as long with 2 threads as with 1). -lgomp resolves to the
+# libgomp.so.1 torch ships and has loaded, so both share one thread pool.
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+LDFLAGS = ["-lgomp"]
 
 
 def _cpu_digest() -> str:
@@ -42,8 +47,9 @@ def _cpu_digest() -> str:
 
 
 def build_name(source: Path) -> str:
-    """One build per source text and CPU, so no build overwrites another's cache entry."""
-    return f"pagedq_cpu_attention_{hashlib.sha256(source.read_bytes()).hexdigest()[:8]}_{_cpu_digest()}"
+    """One build per source text, flags and CPU, so no build overwrites another's cache entry."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:8]
+    return f"pagedq_cpu_attention_{digest}_{_cpu_digest()}"
 
 
 @functools.cache
@@ -59,7 +65,8 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=build_name(SOURCE), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
+        load_extension(name=build_name(SOURCE), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, is_python_module=False)
     except Exception as exc:  # a missing compiler, a failed build: the pure-PyTorch path still runs
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the PyTorch SDPA path", exc)
         return False
