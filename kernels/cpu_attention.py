@@ -30,10 +30,10 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 # No -ffast-math: the kernel's fp32 results stay within rounding of the reference's.
 # -fopenmp: at::parallel_for is a header template whose `#pragma omp parallel` is compiled
 # into this extension; without the flag the pragma is dropped and every call runs on one
-# thread (seen: attention took as long with 2 threads as with 1). -lgomp resolves to the
-# libgomp.so.1 torch ships and has loaded, so both share one thread pool.
+# thread (seen: attention took as long with 2 threads as with 1). No -lgomp: the GOMP_*
+# symbols resolve to the libgomp torch ships and has loaded, so both share one thread
+# pool (linking libgomp here also broke loading the kernel a second time in a process).
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
-LDFLAGS = ["-lgomp"]
 
 
 def _cpu_digest() -> str:
@@ -48,7 +48,7 @@ def _cpu_digest() -> str:
 
 def build_name(source: Path) -> str:
     """One build per source text, flags and CPU, so no build overwrites another's cache entry."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:8]
     return f"pagedq_cpu_attention_{digest}_{_cpu_digest()}"
 
 
@@ -65,8 +65,7 @@ def load() -> bool:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=build_name(SOURCE), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       extra_ldflags=LDFLAGS, is_python_module=False)
+        load_extension(name=build_name(SOURCE), sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False)
     except Exception as exc:  # a missing compiler, a failed build: the pure-PyTorch path still runs
         logger.warning("the C++ CPU attention kernel is unavailable (%s); using the PyTorch SDPA path", exc)
         return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,12 @@ def test_falls_back_to_pytorch_where_the_kernel_cannot_build(monkeypatch, tmp_pa
         assert get_attention_backend("auto", "cpu").name == "torch"
     finally:
         cpu_attention.load.cache_clear()
+
+
+def test_the_kernel_is_built_with_openmp():
+    """at::parallel_for is compiled into the extension: built without OpenMP it is a serial
+    loop, and attention then ran on one thread whatever torch's thread count (it did, until
+    -fopenmp). Built with it, the library calls libgomp's GOMP_parallel."""
+    assert cpu_attention.load()
+    (library,) = [p for p in torch.ops.loaded_libraries if cpu_attention.build_name(cpu_attention.SOURCE) in p]
+    assert b"GOMP_parallel" in Path(library).read_bytes()

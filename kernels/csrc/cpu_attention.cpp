@@ -78,19 +78,39 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// Cache row types read straight from their block, converted in registers: float32, and
+// bfloat16, whose 16 bits are the top half of a float32. Other cache types (float16, FP8)
+// are converted into a buffer per block first (as_float).
+template <typename T>
+constexpr bool kInRegister = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename R>
+inline vf load_row(const R* p) {
+  if constexpr (std::is_same_v<R, float>) {
+    return load(p);
+  } else {
+    static_assert(std::is_same_v<R, c10::BFloat16>);
+    vh bits = *reinterpret_cast<const vh*>(p);
+    vi wide = __builtin_convertvector(bits, vi) << 16;
+    return reinterpret_cast<vf&>(wide);
+  }
+}
+
+template <typename R>
+inline float dot(const float* a, const R* b, int64_t n) {
   int64_t i = 0;
   vf acc = {};
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load_row(b + i);
   float sum = hsum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += a[i] * to_float(b[i]);
   return sum;
 }
 
-inline void axpy(float a, const float* x, float* y, int64_t n) {
+template <typename R>
+inline void axpy(float a, const R* x, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load(x + i));
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load_row(x + i));
+  for (; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 // exp(x) for x <= 0, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
@@ -133,16 +153,16 @@ inline float exp_shifted(float* s, int64_t n, float m) {
 // The two inner loops of attention for one query vector over one block's `seen` keys
 // (rows `stride` floats apart). With NC = head_dim / 16 known at compile time the query
 // and the accumulator stay in registers across keys; NC = 0 handles any head_dim.
-template <int NC>
-inline float block_scores(const float* q, const float* k, int64_t stride, int64_t seen, int64_t D, float* p) {
+template <int NC, typename R>
+inline float block_scores(const float* q, const R* k, int64_t stride, int64_t seen, int64_t D, float* p) {
   float block_max = -FLT_MAX;
   if constexpr (NC > 0) {
     vf qr[NC];
     for (int i = 0; i < NC; ++i) qr[i] = load(q + i * kLanes);
     for (int64_t c = 0; c < seen; ++c) {
-      const float* kc = k + c * stride;
-      vf part = qr[0] * load(kc);
-      for (int i = 1; i < NC; ++i) part += qr[i] * load(kc + i * kLanes);
+      const R* kc = k + c * stride;
+      vf part = qr[0] * load_row(kc);
+      for (int i = 1; i < NC; ++i) part += qr[i] * load_row(kc + i * kLanes);
       p[c] = hsum(part);
       block_max = std::max(block_max, p[c]);
     }
@@ -155,14 +175,14 @@ inline float block_scores(const float* q, const float* k, int64_t stride, int64_
   return block_max;
 }
 
-template <int NC>
-inline void block_values(const float* p, const float* v, int64_t stride, int64_t seen, int64_t D, float rescale,
+template <int NC, typename R>
+inline void block_values(const float* p, const R* v, int64_t stride, int64_t seen, int64_t D, float rescale,
                          float* a) {
   if constexpr (NC > 0) {
     vf acc[NC];
     for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
     for (int64_t c = 0; c < seen; ++c)
-      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load(v + c * stride + i * kLanes);
+      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load_row(v + c * stride + i * kLanes);
     for (int i = 0; i < NC; ++i) store(a + i * kLanes, acc[i]);
   } else {
     if (rescale != 1.f)
@@ -205,9 +225,10 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   const int32_t* table = block_tables + item.seq * sh.table_stride;
   const int64_t block_elems = bs * sh.num_kv_heads * D;
   const int64_t stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
-  constexpr bool kFloatCache = std::is_same_v<kv_t, float>;
+  // Rows of the block as the inner loops read them: in place, or converted into k_buf / v_buf.
+  using row_t = std::conditional_t<kInRegister<kv_t>, kv_t, float>;
 
-  scratch.resize(2 * vectors * D + 2 * vectors + vectors * bs + (kFloatCache ? 0 : 2 * block_elems));
+  scratch.resize(2 * vectors * D + 2 * vectors + vectors * bs + (kInRegister<kv_t> ? 0 : 2 * block_elems));
   float* q = scratch.data();        // [vectors, D], scaled
   float* acc = q + vectors * D;     // [vectors, D]
   float* run_max = acc + vectors * D;
@@ -230,8 +251,15 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   for (int64_t c0 = first_low / bs * bs; c0 < num_keys; c0 += bs) {
     const int64_t n = std::min(bs, num_keys - c0);
     const int64_t block = table[c0 / bs];
-    const float* keys = as_float(key_cache + block * block_elems, k_buf, n * sh.num_kv_heads * D);
-    const float* values = as_float(value_cache + block * block_elems, v_buf, n * sh.num_kv_heads * D);
+    const row_t* keys;
+    const row_t* values;
+    if constexpr (kInRegister<kv_t>) {
+      keys = key_cache + block * block_elems;
+      values = value_cache + block * block_elems;
+    } else {
+      keys = as_float(key_cache + block * block_elems, k_buf, n * sh.num_kv_heads * D);
+      values = as_float(value_cache + block * block_elems, v_buf, n * sh.num_kv_heads * D);
+    }
     // Row r sees this block's keys [c0 + low, c0 + high); earlier rows may see none of them,
     // and with a window later rows may see none either.
     for (int64_t r = std::max<int64_t>(c0 - first_pos, 0); r < rows; ++r) {
@@ -241,8 +269,8 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
       const int64_t seen = high - low;
       for (int64_t h = 0; h < H; ++h) {
         const int64_t j = r * H + h;
-        const float* k = keys + low * stride + (h / G) * D;
-        const float* v = values + low * stride + (h / G) * D;
+        const row_t* k = keys + low * stride + (h / G) * D;
+        const row_t* v = values + low * stride + (h / G) * D;
         float* p = probs + j * bs;
         const float block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
         const float new_max = std::max(run_max[j], block_max);
