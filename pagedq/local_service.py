@@ -42,9 +42,9 @@ class LocalService:
         self.children: list[subprocess.Popen] = []
 
     def start(self, ready_timeout_s: float = 300.0, stopping: Callable[[], bool] = lambda: False) -> LocalService:
-        """Start everything and wait until GET /ready answers 200. StartupFailed (after
-        stopping what did start) when a child exits or time runs out; `stopping()` true
-        gives up quietly."""
+        """Start everything and wait until GET /ready lists every worker started here.
+        StartupFailed (after stopping what did start) when a child exits or time runs out;
+        `stopping()` true gives up quietly."""
         try:
             # Before anything starts: a port taken (say by another `pagedq up`) would
             # otherwise be found only by a child failing, or /ready answered by the other one.
@@ -97,7 +97,9 @@ class LocalService:
         while not stopping():
             self.check_children()
             try:
-                if httpx.get(f"{self.settings.base_url}/ready", timeout=2).status_code == 200:
+                ready = httpx.get(f"{self.settings.base_url}/ready", timeout=2)
+                # Every worker started here, not just the first: "up" means all of them serve.
+                if ready.status_code == 200 and len(ready.json()["workers"]) >= self.workers:
                     return
             except httpx.TransportError:
                 pass
