@@ -263,10 +263,7 @@ class BatchWorker(BaseWorker):
         if job.id in self._end_streams_on_failure:
             self._end_streams_on_failure.discard(job.id)
             publish_end(recorder, job.id, "failed", self.settings.stream_ttl_s)
-        with self.connection.pipeline(transaction=False) as pipeline:
-            queue_fenced_commands(pipeline, [(job.key, execution.composite_key, recorder)])
-            refused = pipeline.execute()[0]
-        if refused:
+        if self._write_fenced([(job.key, execution.composite_key, recorder)]):
             self.log.info("Worker %s: job %s failed here but is no longer ours: failure not recorded", self.name, job.id)
         elif retry:
             self.metrics.jobs_requeued += 1
@@ -718,12 +715,17 @@ class BatchWorker(BaseWorker):
             # As RQ's retry requeues (enqueue_job would open a transaction on the recorder).
             entry.queue._enqueue_job(entry.job, pipeline=recorder, at_front=True)
             writes.append((entry.job.key, entry.execution.composite_key, recorder))
-        with self.connection.pipeline(transaction=False) as pipeline:
-            queue_fenced_commands(pipeline, writes)
-            refused = pipeline.execute()[0]
+        refused = self._write_fenced(writes)
         if refused:
             self.log.info("Worker %s: %d of them were no longer ours: not requeued", self.name, len(refused))
         self.metrics.jobs_requeued += len(entries) - len(refused)
+
+    def _write_fenced(self, writes) -> list[int]:
+        """Send recorded writes now, each only if its execution still owns its job; the
+        1-based positions of those refused."""
+        with self.connection.pipeline(transaction=False) as pipeline:
+            queue_fenced_commands(pipeline, writes)
+            return pipeline.execute()[0]
 
 
 def _raised(exc: BaseException):
