@@ -8,6 +8,8 @@ an "end" entry (a worker died, RQ failed it, a plain `rq worker` ran it), so eve
 One `StreamHub` per api process follows every stream its clients wait on with a single
 blocking XREAD: an XREAD per client would cost a Redis round trip per token per client,
 which at a few thousand tokens a second costs the api more CPU than the engine's steps.
+Long-poll waiters need only their jobs' ends, so the hub follows the one stream of every
+job's end (redis_schema.ENDED_KEY) for them, not their jobs' tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rq.job import Job
 
 from api.auth import Caller
 from pagedq.redis_schema import (
+    ENDED_KEY,
     TERMINAL,
     Entry,
     Event,
@@ -77,6 +80,9 @@ class StreamHub:
         # XADDed to when a follower joins, so the blocked XREAD returns and takes it in.
         self._wake_key = api_wake_key(uuid.uuid4().hex)
         self._followers: dict[str, set[_Follower]] = {}
+        # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
+        self._enders: dict[str, set[asyncio.Event]] = {}
+        self._ended_cursor: str | None = None
         self._task: asyncio.Task | None = None
 
     @asynccontextmanager
@@ -86,16 +92,44 @@ class StreamHub:
         follower = _Follower(cursor)
         self._followers.setdefault(key, set()).add(follower)
         try:
-            if self._task is None or self._task.done():
-                self._task = asyncio.create_task(self._run())
-            else:
-                await self._wake()
+            await self._take_in()
             yield follower.batches
         finally:
             followers = self._followers.get(key, set())
             followers.discard(follower)
             if not followers:
                 self._followers.pop(key, None)
+
+    @asynccontextmanager
+    async def until_end(self, seq_id: str) -> AsyncIterator[asyncio.Event]:
+        """An event set once the job's end is written after this context was entered (or
+        when the hub fails). A job can end without one (see the module's docstring): the
+        caller checks the job's status too, after entering and now and then."""
+        ended = asyncio.Event()
+        self._enders.setdefault(seq_id, set()).add(ended)
+        try:
+            if self._ended_cursor is None:
+                last = await self.connection.xrevrange(ENDED_KEY, count=1)
+                cursor = last[0][0].decode() if last else "0-0"
+                # Two waiters starting at once: the earlier cursor, so neither misses an end.
+                self._ended_cursor = min(filter(None, (cursor, self._ended_cursor)), key=_entry_id)
+                await self._take_in()
+            elif self._task is None or self._task.done():
+                self._task = asyncio.create_task(self._run())
+            # Otherwise the blocked XREAD already follows ENDED_KEY from before this waiter's entry.
+            yield ended
+        finally:
+            enders = self._enders.get(seq_id, set())
+            enders.discard(ended)
+            if not enders:
+                self._enders.pop(seq_id, None)
+
+    async def _take_in(self) -> None:
+        """Start the hub, or make its blocked XREAD return and read again with what was just added."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        else:
+            await self._wake()
 
     async def _drop_refused(self, cursors: dict[str, str], exc: ResponseError) -> None:
         """Read each stream alone (without blocking) and fail the followers of those Redis refuses."""
@@ -119,17 +153,24 @@ class StreamHub:
 
     async def _run(self) -> None:
         try:
-            while self._followers:
+            while self._followers or self._enders:
                 cursors = {
                     key: min((f.cursor for f in followers), key=_entry_id) for key, followers in self._followers.items()
                 }
+                ended = {ENDED_KEY: self._ended_cursor} if self._ended_cursor is not None else {}
                 try:
-                    reply = await self.connection.xread({**cursors, self._wake_key: "$"}, count=512, block=self.block_ms)
+                    reply = await self.connection.xread({**cursors, **ended, self._wake_key: "$"}, count=512, block=self.block_ms)
                 except ResponseError as exc:
                     # Redis refused one stream's read: only that stream's followers hear of it.
                     await self._drop_refused(cursors, exc)
                     continue
                 for raw_key, raw_entries in reply or []:
+                    if raw_key.decode() == ENDED_KEY:
+                        self._ended_cursor = raw_entries[-1][0].decode()
+                        for _, fields in raw_entries:
+                            for waiter in self._enders.get(fields.get(b"seq_id", b"").decode(), ()):
+                                waiter.set()
+                        continue
                     entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
                     for follower in self._followers.get(raw_key.decode(), ()):
                         cursor = _entry_id(follower.cursor)
@@ -143,6 +184,14 @@ class StreamHub:
             for followers in self._followers.values():
                 for follower in followers:
                     follower.batches.put_nowait(exc)
+            # Waiters wake and meet the error in their own status check.
+            for enders in self._enders.values():
+                for waiter in enders:
+                    waiter.set()
+        finally:
+            # Idle: the next waiter starts again from ENDED_KEY's last entry, not from here.
+            if not self._enders:
+                self._ended_cursor = None
 
 
 class StreamReader:
@@ -205,21 +254,18 @@ class StreamReader:
                     return
 
     async def wait_until_done(self, seq_id: str, timeout_s: float) -> None:
-        """Return when the job is terminal or `timeout_s` has passed, waking on its "end" entry."""
+        """Return when the job is terminal or `timeout_s` has passed: woken by its end, and
+        checking its status every quiet `poll_s` for a job that ends without one."""
         deadline = time.monotonic() + timeout_s
-        last = await self.connection.xrevrange(stream_key(seq_id), count=1)
-        cursor = last[0][0].decode() if last else "0-0"
-        async with self.hub.follow(seq_id, cursor) as batches:
+        async with self.hub.until_end(seq_id) as ended:
             while True:
                 state = await self.state(seq_id)
-                if state is None or state in TERMINAL:
+                remaining = deadline - time.monotonic()
+                if state is None or state in TERMINAL or remaining <= 0:
                     return
-                # Deltas come and go; only an "end" entry or a quiet poll_s needs a status check.
-                while (remaining := deadline - time.monotonic()) > 0:
-                    batch = await self._next(batches, min(self.poll_s, remaining))
-                    if batch is None:
-                        break
-                    if any(is_end(fields) for _, fields in batch):
-                        return
-                else:
+                try:
+                    async with asyncio.timeout(min(self.poll_s, remaining)):
+                        await ended.wait()
                     return
+                except TimeoutError:
+                    continue

@@ -122,6 +122,14 @@ def stream_key(seq_id: str) -> str:
     return f"pagedq:stream:{seq_id}"
 
 
+# Every job's end, as {"seq_id": ...}, beside the "end" entry in its own stream: the api's
+# long-poll waiters (GET /result?wait=, non-streamed /v1 completions) follow this one
+# stream instead of every token of their jobs' streams. Trimmed to about ENDED_MAXLEN
+# entries: a reader that falls further behind misses ends and finds them by the job's status.
+ENDED_KEY = "pagedq:ended"
+ENDED_MAXLEN = 10_000
+
+
 def api_wake_key(token: str) -> str:
     """A stream an api process XADDs to so its own blocked XREAD returns (api.streaming.StreamHub)."""
     return f"pagedq:api-wake:{token}"
@@ -259,6 +267,7 @@ def publish_reset(pipeline: Pipeline, seq_id: str, attempt: int, stream_ttl_s: i
 
 def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "") -> None:
     _append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_END, "status": status, "finish_reason": finish_reason})
+    pipeline.xadd(ENDED_KEY, {"seq_id": seq_id}, maxlen=ENDED_MAXLEN, approximate=True)
 
 
 Entry = tuple[str, dict[str, str]]

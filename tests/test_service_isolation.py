@@ -27,8 +27,8 @@ from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api.streaming import StreamHub
-from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, RequestFailed, failure_line, stream_key
+from api.streaming import StreamHub, StreamReader
+from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, RequestFailed, failure_line, publish_end, stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
 
@@ -246,6 +246,55 @@ def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
     assert isinstance(refused, ResponseError)
     assert [fields["text"] for batch in batches for _, fields in batch] == ["x", "y"]
 
+
+
+def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_status(service):
+    """GET /result?wait= waiters follow the stream of every job's end, not their jobs' tokens:
+    each wakes on its own job's end (not a bystander's, whose end comes first), at once
+    though its status check is 60 s away; a job that ends with no "end" written (its worker
+    died, RQ failed it) is found by the status check."""
+    _, _, redis_server = service
+    sync = Redis.from_url(redis_server.url)
+
+    def start(seq_id: str) -> None:
+        sync.hset(Job.key_for(seq_id), mapping={"status": "started"})
+
+    def end(seq_id: str, write_end: bool = True) -> None:
+        with sync.pipeline() as pipeline:
+            pipeline.hset(Job.key_for(seq_id), "status", "finished")
+            if write_end:
+                publish_end(pipeline, seq_id, "finished", 60)
+            pipeline.execute()
+
+    async def run(poll_s: float, seq_ids: list[str], ends: list[tuple[str, bool]]) -> dict[str, float]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        reader = StreamReader(connection, poll_s=poll_s)
+        woken: dict[str, float] = {}
+
+        async def wait(seq_id: str) -> None:
+            await reader.wait_until_done(seq_id, 120)
+            woken[seq_id] = time.monotonic()
+
+        try:
+            waiters = [asyncio.create_task(wait(seq_id)) for seq_id in seq_ids]
+            await asyncio.sleep(0.5)
+            for seq_id, write_end in ends:
+                end(seq_id, write_end)
+                await asyncio.sleep(1.0)
+                woken[f"{seq_id} ended"] = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*waiters), 30)
+            return woken
+        finally:
+            await reader.hub.close()
+            await connection.aclose()
+
+    for seq_id in ("poll-a", "poll-b", "poll-c"):
+        start(seq_id)
+    woken = asyncio.run(run(60, ["poll-a", "poll-b"], [("poll-b", True), ("poll-a", True)]))
+    assert woken["poll-b"] < woken["poll-b ended"] < woken["poll-a"] < woken["poll-a ended"]
+    # No "end" written: the status check (every poll_s) finds it.
+    woken = asyncio.run(run(0.3, ["poll-c"], [("poll-c", False)]))
+    assert woken["poll-c"] < woken["poll-c ended"]
 
 # ---- item 4: 500s that were the client's input ---------------------------------------------------
 
