@@ -19,11 +19,16 @@ replaces the work loop. One tick:
    (redis_schema.batch_queue_name), whose jobs never fill the slots reserved for
    interactive ones (`reserved_interactive_slots`). The I/O thread then marks the new
    jobs started in one transaction;
-4. step the engine once, while that round trip runs: the engine never waits for Redis;
+4. step the engine once, while that round trip runs: the engine never waits for Redis.
+   If the round trip is still out after the step (Redis, the api and the clients share
+   the machine's cores), the next tick steps again without sending: what the steps
+   produce meanwhile goes in the next round trip, each job's text since its last send as
+   one delta, so a Redis that falls behind gets fewer, larger writes instead of a queue;
 5. take the round trip's answer (`_complete_sync`): jobs no longer ours (canceled,
    deleted, reaped after a stall) are aborted in the engine, which frees their KV blocks;
    a job named by RQ's stop-job command fails as STOPPED; finished jobs are forgotten; the
-   started ones go to the engine (or, idle, block on the queue for a second).
+   started ones go to the engine (or, idle, block on the queue for a second). The engine
+   waits for a round trip only when it has nothing to compute.
 
 Every write for a job is fenced: it happens only if the job's execution still owns it,
 checked in the same script (redis_schema's owns()), so a worker that stalled past its
@@ -218,6 +223,8 @@ class BatchWorker(BaseWorker):
         self._cancels_seen = b""
         # Runs each tick's Redis round trip while the engine steps.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
+        # The round trip on the I/O thread, until its answer is taken (one at a time).
+        self._pending: _PendingSync | None = None
 
     # ---- RQ hooks -------------------------------------------------------------------
 
@@ -310,6 +317,8 @@ class BatchWorker(BaseWorker):
                     # Heartbeats first once it is back, then a look at every job.
                     self._next_heartbeat = self._next_full_check = 0.0
                     time.sleep(_REDIS_RETRY_S)
+            if self._pending is not None:
+                self._take_pending()
             self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
         finally:
@@ -321,14 +330,22 @@ class BatchWorker(BaseWorker):
             self._reap()
         if time.monotonic() >= self._next_heartbeat:
             self._heartbeat()
-        # The previous step's round trip (its deltas, finished jobs' results, checks, new
-        # jobs started) runs on the I/O thread while the engine computes this step.
-        pending = self._send_sync()
+        # The round trip of what earlier steps produced (deltas, finished jobs' results,
+        # checks, new jobs started) runs on the I/O thread while the engine computes.
+        if self._pending is None:
+            self._pending = self._send_sync()
         if self.engine.has_unfinished_requests():
             self._step()
-        started = self._complete_sync(pending)
+            if not self._pending.future.done():
+                return  # Redis is behind the engine: step on; the next round trip carries this step's output
+        started = self._take_pending()
         if not started and not self.engine.has_unfinished_requests() and not self._has_finals():
             self._wait_for_work()
+
+    def _take_pending(self) -> bool:
+        """Wait for the round trip out and act on its answer (_complete_sync)."""
+        pending, self._pending = self._pending, None
+        return self._complete_sync(pending)
 
     def _has_finals(self) -> bool:
         return any(entry.final is not None for entry in self.inflight.values())
