@@ -211,10 +211,18 @@ class SSEParser:
     """Server-Sent Events, fed one line at a time (sync or async readers alike)."""
 
     def __init__(self) -> None:
+        self._partial = ""
         self._reset()
 
     def _reset(self) -> None:
         self.event, self.data, self.event_id = "message", [], None
+
+    def feed_text(self, text: str) -> list[tuple[str, dict, str | None]]:
+        """The frames that this piece of the stream completes, however it was cut (the
+        part of a line after the last newline waits for the next piece). Cheaper than a
+        line iterator per line: a streaming client's CPU goes into its reader, per token."""
+        *lines, self._partial = (self._partial + text).split("\n")
+        return [frame for line in lines if (frame := self.feed(line.rstrip("\r"))) is not None]
 
     def feed(self, line: str) -> tuple[str, dict, str | None] | None:
         """The (event, data, id) that this line completes, else None."""

@@ -234,3 +234,20 @@ def test_rounds_alternate_peers_and_pause_the_others():
         "close a", "close b",
     ]
     assert [len(run.round_seconds) for run in runs] == [3, 3]
+
+
+def test_the_sse_reader_gives_the_same_frames_however_the_stream_is_cut():
+    """bench serve's clients read SSE by pieces of text (cheaper than line iterators): a
+    frame cut anywhere, even inside a line or between \\r and \\n, comes out whole, once."""
+    from pagedq.client import SSEParser
+
+    stream = ('id: 1-0\r\nevent: delta\r\ndata: {"index": 0, "text": "h\\u00e9", "num_tokens": 1}\r\n\r\n'
+              'id: 2-0\nevent: delta\ndata: {"index": 0, "text": " there", "num_tokens": 2}\n\n'
+              'event: end\ndata: {"status": "finished", "finish_reason": "length"}\n\n')
+    lines = SSEParser()
+    expected = [frame for line in stream.replace("\r\n", "\n").split("\n") if (frame := lines.feed(line)) is not None]
+    assert [(event, data.get("text")) for event, data, _ in expected] == [("delta", "hé"), ("delta", " there"), ("end", None)]
+    for cut in [1, 2, 3, 7, 13, 50]:
+        parser = SSEParser()
+        pieces = [stream[i:i + cut] for i in range(0, len(stream), cut)]
+        assert [frame for piece in pieces for frame in parser.feed_text(piece)] == expected, cut

@@ -74,23 +74,20 @@ async def _one_request(
             if stream.status_code != 200:
                 timing.error = f"GET /stream: HTTP {stream.status_code}"
                 return
-            async for line in stream.aiter_lines():
-                frame = parser.feed(line)
-                if frame is None:
-                    continue
-                event, data, _ = frame
-                if event == "delta" and data["num_tokens"] > timing.output_tokens:
-                    timing.chunk_arrivals.append(time.perf_counter())
-                    timing.output_tokens = data["num_tokens"]
-                elif event == "reset":  # the job was retried on another worker: it starts over
-                    timing.chunk_arrivals.clear()
-                    timing.output_tokens = 0
-                elif event == "end":
-                    if data["status"] != "finished":
-                        timing.error = f"job {seq_id} ended {data['status']}"
-                    else:
-                        timing.finished = time.perf_counter()
-                    return
+            async for text in stream.aiter_text():
+                for event, data, _ in parser.feed_text(text):
+                    if event == "delta" and data["num_tokens"] > timing.output_tokens:
+                        timing.chunk_arrivals.append(time.perf_counter())
+                        timing.output_tokens = data["num_tokens"]
+                    elif event == "reset":  # the job was retried on another worker: it starts over
+                        timing.chunk_arrivals.clear()
+                        timing.output_tokens = 0
+                    elif event == "end":
+                        if data["status"] != "finished":
+                            timing.error = f"job {seq_id} ended {data['status']}"
+                        else:
+                            timing.finished = time.perf_counter()
+                        return
         timing.error = f"job {seq_id}: the stream ended without an end event"
     except httpx.HTTPError as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
