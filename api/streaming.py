@@ -209,15 +209,25 @@ class StreamReader:
         return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))
 
     async def _next(self, batches: asyncio.Queue, timeout_s: float) -> list[Entry] | None:
-        """The next batch of entries; None after `timeout_s` without one."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                batch = await batches.get()
-        except TimeoutError:
-            return None
-        if isinstance(batch, Exception):
-            raise batch
-        return batch
+        """Every entry queued, waiting up to `timeout_s` for the first; None without one.
+        A reader that fell behind takes all its batches at once (read_events then merges
+        their deltas into one event: fewer, larger writes when the api is the bottleneck)."""
+        if batches.empty():
+            try:
+                async with asyncio.timeout(timeout_s):
+                    batch = await batches.get()
+            except TimeoutError:
+                return None
+        else:
+            batch = batches.get_nowait()
+        entries: list[Entry] = []
+        while True:
+            if isinstance(batch, Exception):
+                raise batch
+            entries += batch
+            if batches.empty():
+                return entries
+            batch = batches.get_nowait()
 
     async def events(self, seq_id: str, last_event_id: str | None) -> AsyncIterator[str]:
         """SSE frames: `delta` {index, text, num_tokens} (output `index`'s new text and its
