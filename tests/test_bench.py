@@ -237,7 +237,7 @@ def test_rounds_alternate_peers_and_pause_the_others():
 
 
 def test_the_sse_reader_gives_the_same_frames_however_the_stream_is_cut():
-    """bench serve's clients read SSE by pieces of text (cheaper than line iterators): a
+    """bench serve's clients read SSE by the pieces the connection gives (cheaper than a line iterator): a
     frame cut anywhere, even inside a line or between \\r and \\n, comes out whole, once."""
     from pagedq.client import SSEParser
 
