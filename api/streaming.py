@@ -38,7 +38,6 @@ from pagedq.redis_schema import (
     Event,
     JobState,
     api_wake_key,
-    is_end,
     job_state,
     owner_of,
     read_events,
@@ -114,9 +113,9 @@ class StreamHub:
                 # Two waiters starting at once: the earlier cursor, so neither misses an end.
                 self._ended_cursor = min(filter(None, (cursor, self._ended_cursor)), key=_entry_id)
                 await self._take_in()
-            elif self._task is None or self._task.done():
-                self._task = asyncio.create_task(self._run())
-            # Otherwise the blocked XREAD already follows ENDED_KEY from before this waiter's entry.
+            else:
+                # A running hub's blocked XREAD already follows ENDED_KEY from before this waiter's entry.
+                self._start()
             yield ended
         finally:
             enders = self._enders.get(seq_id, set())
@@ -124,11 +123,16 @@ class StreamHub:
             if not enders:
                 self._enders.pop(seq_id, None)
 
-    async def _take_in(self) -> None:
-        """Start the hub, or make its blocked XREAD return and read again with what was just added."""
+    def _start(self) -> bool:
+        """Start the hub unless it is running; whether it was started."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
-        else:
+            return True
+        return False
+
+    async def _take_in(self) -> None:
+        """Start the hub, or make its blocked XREAD return and read again with what was just added."""
+        if not self._start():
             await self._wake()
 
     async def _drop_refused(self, cursors: dict[str, str], exc: ResponseError) -> None:
@@ -165,14 +169,15 @@ class StreamHub:
                     await self._drop_refused(cursors, exc)
                     continue
                 for raw_key, raw_entries in reply or []:
-                    if raw_key.decode() == ENDED_KEY:
+                    key = raw_key.decode()
+                    if key == ENDED_KEY:
                         self._ended_cursor = raw_entries[-1][0].decode()
                         for _, fields in raw_entries:
                             for waiter in self._enders.get(fields.get(b"seq_id", b"").decode(), ()):
                                 waiter.set()
                         continue
                     entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
-                    for follower in self._followers.get(raw_key.decode(), ()):
+                    for follower in self._followers.get(key, ()):
                         cursor = _entry_id(follower.cursor)
                         new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
                         if new:

@@ -275,10 +275,6 @@ Entry = tuple[str, dict[str, str]]
 Event = tuple[str, dict, str | None]
 
 
-def is_end(fields: dict[str, str]) -> bool:
-    return fields.get("type") == EVENT_END
-
-
 def read_events(batch: list[Entry]) -> list[Event]:
     """The events of a batch of stream entries, up to an `end`. Consecutive deltas of one
     output merge into one (the last one's id and count), so a client that fell behind

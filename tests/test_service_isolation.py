@@ -247,7 +247,6 @@ def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
     assert [fields["text"] for batch in batches for _, fields in batch] == ["x", "y"]
 
 
-
 def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_status(service):
     """GET /result?wait= waiters follow the stream of every job's end, not their jobs' tokens:
     each wakes on its own job's end (not a bystander's, whose end comes first), at once
@@ -295,6 +294,7 @@ def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_s
     # No "end" written: the status check (every poll_s) finds it.
     woken = asyncio.run(run(0.3, ["poll-c"], [("poll-c", False)]))
     assert woken["poll-c"] < woken["poll-c ended"]
+
 
 # ---- item 4: 500s that were the client's input ---------------------------------------------------
 
