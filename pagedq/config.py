@@ -36,6 +36,9 @@ class EngineArgs:
     preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
+    # Benchmarks only (`pagedq bench host`): the forward returns fixed logits and costs
+    # nothing, so a run measures the host's own cost per step (worker.models.stub).
+    stub_forward: bool = False
 
     def __post_init__(self) -> None:
         checks = {

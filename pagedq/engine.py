@@ -98,6 +98,10 @@ class LLMEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def set_step_timings(self, timings) -> None:
+        """Record where each step's host time goes (pagedq.core.step_timings); None stops."""
+        self.runner.step_timings = timings
+
     # --- requests -----------------------------------------------------------------------
 
     def add_request(
@@ -244,7 +248,13 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if not self.scheduler.has_unfinished():
             return outputs
+        timings = self.runner.step_timings
+        if timings is not None:
+            timings.begin()
         sched = self.scheduler.schedule()
+        if timings is not None:
+            timings.shape(len(sched.scheduled), sum(item.num_new_tokens for item in sched.scheduled))
+            timings.phase("schedule")
         if sched.is_empty and not self.scheduler.running:
             # add_request refuses what can never be scheduled, so this is a pagedq bug; the
             # request that blocks the queue fails rather than every request of the engine.
@@ -281,6 +291,8 @@ class LLMEngine:
                 touched[request.request_id] = request
         if rows:
             sampled = self._sample(logits[torch.tensor(row_of_logits, device=logits.device)], rows)
+            if timings is not None:
+                timings.phase("sample")
             sampled_at = time.time()  # a token exists once its step's forward and sampling are done
             for seq, (token, logprob, top_logprobs) in sampled:
                 request = seq.request
@@ -302,6 +314,9 @@ class LLMEngine:
                 self.counters.requests_finished += 1
             if finished or request.output_kind is RequestOutputKind.CUMULATIVE:
                 outputs.append(request.output())
+        if timings is not None:
+            timings.phase("update")
+            timings.end()
         return outputs + self._take_failed()
 
     def _execute(self, sched: SchedulerOutput) -> torch.Tensor:

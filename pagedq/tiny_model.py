@@ -97,6 +97,14 @@ PRESETS = {
               intermediate_size=1408, max_position_embeddings=4096),
         "float32",
     ),
+    # Compute so small that a step's time is the host's own (`pagedq bench host`, and
+    # `bench offline` against vLLM); head size 64, which vLLM's CPU attention supports.
+    "host-bench": Preset(
+        "llama",
+        Shape(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+              intermediate_size=256, max_position_embeddings=2048),
+        "float32",
+    ),
     # Real model shapes with random weights, for GPU benchmarks.
     "qwen2.5-0.5b": Preset(
         "qwen2",

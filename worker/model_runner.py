@@ -16,6 +16,7 @@ from worker.cuda_graphs import DecodeGraphs
 from worker.host_threads import limit_host_threads_for_gpu
 from worker.kv_cache import KVCache, kv_cache_dtype
 from worker.models import load_model
+from worker.models.stub import StubForward
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +121,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.attention = get_attention_backend(args.attention_backend, self.device.type)
         self.model = load_model(args.model, self.dtype, self.device, self.attention)
+        if args.stub_forward:
+            self.model = StubForward(self.model)
         self.vocab_size = self.model.vocab_size
         # Eager until captured: sizing the cache on CUDA runs a forward first.
         self.graphs: DecodeGraphs | None = None
+        self.step_timings = None
         self.cache_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_cache = KVCache.for_model(self.model, self.block_size, self.cache_dtype, self._decide_num_blocks(), self.device)
         self.kv_cache.bind(self.model)
@@ -180,7 +184,7 @@ class ModelRunner:
         return max(0, int(total * self.args.gpu_memory_utilization) - peak - sampler_bytes)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        if self.device.type != "cuda" or self.args.enforce_eager or self.attention.name != "triton":
+        if self.device.type != "cuda" or self.args.enforce_eager or self.attention.name != "triton" or self.args.stub_forward:
             return None
         max_blocks = -(-self.max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.args.max_num_seqs, max_blocks, self.max_model_len, self.device)
@@ -201,7 +205,13 @@ class ModelRunner:
         self.kv_cache.swap_in(out.swap_in)
         if out.is_empty:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        return self._forward(pack_step(out, block_tables, self.block_size))
+        inputs = pack_step(out, block_tables, self.block_size)
+        if self.step_timings is not None:
+            self.step_timings.phase("prepare")
+        logits = self._forward(inputs)
+        if self.step_timings is not None:
+            self.step_timings.phase("forward")
+        return logits
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(inputs.seq_lens.shape[0]):

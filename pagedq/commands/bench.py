@@ -1,4 +1,4 @@
-"""`pagedq bench {offline,serve,kernels,prefix-cache,submit}`: each subcommand's module brings its own arguments
+"""`pagedq bench {offline,serve,host,kernels,prefix-cache,submit}`: each subcommand's module brings its own arguments
 (`add_arguments(parser)`) and entry point (`run(args) -> int`)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import importlib
 SUBCOMMANDS = {
     "offline": ("pagedq.bench.offline", "offline throughput: pagedq vs transformers peers on one workload"),
     "serve": ("pagedq.bench.serve", "online latency and throughput through the HTTP service"),
+    "host": ("pagedq.bench.host", "the engine's host cost per step, the forward taken out"),
     "kernels": ("pagedq.bench.kernels", "paged attention kernel timings"),
     "prefix-cache": ("pagedq.bench.prefix_cache", "requests sharing a long prefix, prefix caching off vs on"),
     "submit": ("pagedq.bench.submit", "how fast the api accepts jobs: N concurrent POST /generate"),
