@@ -32,7 +32,7 @@ args = parser.parse_args()
 torch.set_num_threads(args.threads)
 llm = LLM(model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.backend)
 workload = make_workload(args.num_prompts, LengthRange(32, args.max_len), LengthRange(32, args.max_len),
-                         llm.llm_engine.runner.vocab_size, seed=0, temperature=0.0)
+                         llm.llm_engine.vocab_size, seed=0, temperature=0.0)
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
 prompts = [{"prompt_token_ids": p} for p in workload.prompts]
 llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
@@ -44,6 +44,6 @@ outputs = llm.generate(prompts, params, use_tqdm=False)
 profile.disable()
 seconds = time.perf_counter() - start
 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-print(f"attention {llm.llm_engine.runner.attention.name}, {args.dtype}, {args.threads} threads: {tokens} tokens "
+print(f"attention {llm.llm_engine.core_info.attention_backend}, {args.dtype}, {args.threads} threads: {tokens} tokens "
       f"in {seconds:.2f} s = {tokens / seconds:.1f} tok/s (under cProfile); load average {os.getloadavg()[0]:.2f}")
 pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)

@@ -15,16 +15,24 @@ tables:
 - swap: a preempted sequence's blocks are copied to CPU blocks and back.
 
 Pure Python: no tensors, no model. Every mutation returns the device copies it needs.
+
+Each sequence holding device blocks also holds a *row*: a small integer, stable while it
+holds them, by which the model runner keeps its table in a persistent array. Rows whose
+table changed since the runner last looked are handed over by `take_changed_rows()`, so
+the runner copies only the differences (a decode step changes a row once per block).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from blockmgr.block_pool import Block, BlockKey, BlockPool, NoFreeBlocksError
 
 # (source block id, destination block id) pairs for the model runner to copy.
 BlockCopies = list[tuple[int, int]]
+# Whatever names a sequence: the engine uses its sequences' integer uids, tests strings.
+SeqId = Hashable
 
 
 @dataclass
@@ -63,11 +71,16 @@ class BlockManager:
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
         self._watermark_blocks = int(watermark * num_blocks)
-        self._tables: dict[str, list[Block]] = {}
-        self._swapped: dict[str, list[Block]] = {}
+        self._tables: dict[SeqId, list[Block]] = {}
+        self._swapped: dict[SeqId, list[Block]] = {}
         # Per sequence, the keys of its leading full blocks, so each is hashed once.
-        self._keys: dict[str, list[BlockKey]] = {}
+        self._keys: dict[SeqId, list[BlockKey]] = {}
         self.prefix_stats = PrefixCacheStats()
+        self._rows: dict[SeqId, int] = {}
+        self._free_rows: list[int] = []
+        self._num_rows = 0
+        # Row -> its sequence's table, for rows changed since take_changed_rows().
+        self._changed: dict[int, list[Block]] = {}
 
     # --- queries ----------------------------------------------------------------------
 
@@ -90,12 +103,45 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, seq_id: str) -> list[int]:
+    def block_table(self, seq_id: SeqId) -> list[int]:
         return [block.block_id for block in self._tables.get(seq_id, ())]
 
-    def owners(self) -> dict[str, list[int]]:
+    def owners(self) -> dict[SeqId, list[int]]:
         """Every sequence's device blocks (for invariant checks and tests)."""
         return {seq_id: self.block_table(seq_id) for seq_id in self._tables}
+
+    # --- rows: where the runner keeps each table -------------------------------------
+
+    @property
+    def num_rows(self) -> int:
+        """Rows handed out so far: every row is below this."""
+        return self._num_rows
+
+    def row(self, seq_id: SeqId) -> int:
+        return self._rows[seq_id]
+
+    def take_changed_rows(self) -> list[tuple[int, list[int]]]:
+        """(row, block ids) of every table that changed since the last call."""
+        changed, self._changed = self._changed, {}
+        return [(row, [block.block_id for block in table]) for row, table in changed.items()]
+
+    def _open_table(self, seq_id: SeqId, table: list[Block]) -> None:
+        self._tables[seq_id] = table
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = self._num_rows
+            self._num_rows += 1
+        self._rows[seq_id] = row
+        self._changed[row] = table
+
+    def _close_table(self, seq_id: SeqId) -> list[Block]:
+        table = self._tables.pop(seq_id, [])
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._changed.pop(row, None)
+            self._free_rows.append(row)
+        return table
 
     # --- admission of a sequence that holds no blocks ---------------------------------
 
@@ -130,7 +176,7 @@ class BlockManager:
         reserve = self._watermark_blocks if use_watermark else 0
         return self.num_free_blocks - self.blocks_to_admit(hit, num_tokens) >= reserve
 
-    def admit(self, seq_id: str, hit: PrefixHit, num_tokens: int, *, num_prompt_tokens: int) -> BlockCopies:
+    def admit(self, seq_id: SeqId, hit: PrefixHit, num_tokens: int, *, num_prompt_tokens: int) -> BlockCopies:
         """Give a blockless sequence the cached blocks of `hit` plus room for `num_tokens`
         tokens; it will write from `hit.num_tokens` on."""
         if self._tables.get(seq_id) or seq_id in self._swapped:
@@ -139,7 +185,7 @@ class BlockManager:
             raise NoFreeBlocksError(f"{seq_id}: not enough free blocks to admit")
         for block in hit.blocks:
             self.gpu.incref(block)
-        self._tables[seq_id] = list(hit.blocks)
+        self._open_table(seq_id, list(hit.blocks))
         self._keys[seq_id] = list(hit.keys)
         if self.enable_prefix_caching:
             self.prefix_stats.queries += num_prompt_tokens
@@ -148,10 +194,10 @@ class BlockManager:
 
     # --- growth of a sequence that holds blocks ---------------------------------------
 
-    def blocks_to_grow(self, seq_id: str, write_from: int, num_tokens: int) -> int:
+    def blocks_to_grow(self, seq_id: SeqId, write_from: int, num_tokens: int) -> int:
         return self._blocks_to_write(self._tables.get(seq_id, []), write_from, num_tokens)
 
-    def grow(self, seq_id: str, write_from: int, num_tokens: int) -> BlockCopies:
+    def grow(self, seq_id: SeqId, write_from: int, num_tokens: int) -> BlockCopies:
         """Make room for tokens up to `num_tokens` and make the blocks covering positions
         [write_from, num_tokens) private and mutable (all or nothing)."""
         copies = self.try_grow(seq_id, write_from, num_tokens)
@@ -160,13 +206,20 @@ class BlockManager:
             raise NoFreeBlocksError(f"{seq_id}: needs {needed} more blocks, {self.num_free_blocks} free")
         return copies
 
-    def try_grow(self, seq_id: str, write_from: int, num_tokens: int) -> BlockCopies | None:
+    def try_grow(self, seq_id: SeqId, write_from: int, num_tokens: int) -> BlockCopies | None:
         """grow(), or None with nothing changed when the free blocks do not suffice (one
         pass instead of a check then a grow: the scheduler asks this of every running
         sequence at every step)."""
-        if self._blocks_to_write(self._tables.get(seq_id, []), write_from, num_tokens) > self.num_free_blocks:
+        table = self._tables.get(seq_id)
+        if table is not None and num_tokens - write_from == 1 and write_from < len(table) * self.block_size:
+            # A decode into a block it holds: nothing to do unless that block is shared or cached.
+            block = table[write_from // self.block_size]
+            if block.ref_count == 1 and block.key is None:
+                return []
+        if self._blocks_to_write(table or [], write_from, num_tokens) > self.num_free_blocks:
             return None
-        self._tables.setdefault(seq_id, [])
+        if table is None:
+            self._open_table(seq_id, [])
         self._keys.setdefault(seq_id, [])
         return self._make_writable(seq_id, write_from, num_tokens)
 
@@ -176,7 +229,7 @@ class BlockManager:
         copies = sum(1 for block in table[first:end] if block.ref_count > 1 or block.key is not None)
         return new + copies
 
-    def _make_writable(self, seq_id: str, write_from: int, num_tokens: int) -> BlockCopies:
+    def _make_writable(self, seq_id: SeqId, write_from: int, num_tokens: int) -> BlockCopies:
         table = self._tables[seq_id]
         copies: BlockCopies = []
         for index in range(write_from // self.block_size, min(len(table), self.blocks_for(num_tokens))):
@@ -186,16 +239,24 @@ class BlockManager:
                 copies.append((shared.block_id, private.block_id))
                 table[index] = private
                 self.gpu.decref(shared)
+        changed = bool(copies)
         while len(table) < self.blocks_for(num_tokens):
             table.append(self.gpu.allocate())
+            changed = True
+        if changed:
+            self._changed[self._rows[seq_id]] = table
         return copies
 
-    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
-        """Index the sequence's blocks that are now full of computed tokens."""
+    def cache_full_blocks(self, seq_id: SeqId, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Index the sequence's blocks that are now full of computed tokens (all of them
+        known: `num_computed_tokens` must not exceed `len(token_ids)`)."""
         if not self.enable_prefix_caching:
             return
-        table, keys = self._tables[seq_id], self._keys[seq_id]
+        keys = self._keys[seq_id]
         bs = self.block_size
+        if num_computed_tokens < (len(keys) + 1) * bs:
+            return
+        table = self._tables[seq_id]
         for index in range(len(keys), num_computed_tokens // bs):
             key = BlockKey(keys[-1].hash if keys else None, tuple(token_ids[index * bs : (index + 1) * bs]))
             self.gpu.cache(table[index], key)
@@ -203,20 +264,20 @@ class BlockManager:
 
     # --- sharing and release ----------------------------------------------------------
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
         """The child starts with the parent's blocks; writes to shared ones copy first."""
         if child_id in self._tables or child_id in self._swapped:
             raise ValueError(f"{child_id} already holds blocks")
         table = self._tables[parent_id]
         for block in table:
             self.gpu.incref(block)
-        self._tables[child_id] = list(table)
+        self._open_table(child_id, list(table))
         self._keys[child_id] = list(self._keys[parent_id])
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: SeqId) -> None:
         """Drop every reference of `seq_id`, device and swapped (a no-op for an unknown id).
         Blocks are released last first, so a prefix's tail is evicted before its head."""
-        for block in reversed(self._tables.pop(seq_id, [])):
+        for block in reversed(self._close_table(seq_id)):
             self.gpu.decref(block)
         for block in reversed(self._swapped.pop(seq_id, [])):
             self.cpu.decref(block)
@@ -224,15 +285,15 @@ class BlockManager:
 
     # --- swap -------------------------------------------------------------------------
 
-    def can_swap_out(self, seq_id: str) -> bool:
+    def can_swap_out(self, seq_id: SeqId) -> bool:
         return len(self._tables.get(seq_id, ())) <= self.cpu.num_free
 
-    def swap_out(self, seq_id: str) -> BlockCopies:
+    def swap_out(self, seq_id: SeqId) -> BlockCopies:
         """Move the sequence's blocks to CPU blocks; returns (device block, CPU block) copies."""
-        table = self._tables.pop(seq_id)
+        table = self._tables[seq_id]
         if len(table) > self.cpu.num_free:
-            self._tables[seq_id] = table
             raise NoFreeBlocksError(f"{seq_id}: swap space has {self.cpu.num_free} free blocks, needs {len(table)}")
+        self._close_table(seq_id)
         copies: BlockCopies = []
         swapped = []
         for block in table:
@@ -244,14 +305,14 @@ class BlockManager:
         self._swapped[seq_id] = swapped
         return copies
 
-    def blocks_to_swap_in(self, seq_id: str, num_tokens: int) -> int:
+    def blocks_to_swap_in(self, seq_id: SeqId, num_tokens: int) -> int:
         return max(len(self._swapped[seq_id]), self.blocks_for(num_tokens))
 
-    def can_swap_in(self, seq_id: str, num_tokens: int, *, use_watermark: bool = True) -> bool:
+    def can_swap_in(self, seq_id: SeqId, num_tokens: int, *, use_watermark: bool = True) -> bool:
         reserve = self._watermark_blocks if use_watermark else 0
         return self.num_free_blocks - self.blocks_to_swap_in(seq_id, num_tokens) >= reserve
 
-    def swap_in(self, seq_id: str) -> BlockCopies:
+    def swap_in(self, seq_id: SeqId) -> BlockCopies:
         """Bring a swapped sequence back into fresh device blocks; returns (CPU block, device block) copies."""
         swapped = self._swapped[seq_id]
         if len(swapped) > self.num_free_blocks:
@@ -263,7 +324,7 @@ class BlockManager:
             self.cpu.decref(cpu_block)
         for block, key in zip(table, self._keys[seq_id]):
             self.gpu.cache(block, key)
-        self._tables[seq_id] = table
+        self._open_table(seq_id, table)
         return copies
 
     def check_invariants(self) -> None:
@@ -279,3 +340,6 @@ class BlockManager:
                 assert block.ref_count == holders[block.block_id], (
                     f"block {block.block_id}: ref_count {block.ref_count}, held by {holders[block.block_id]} tables"
                 )
+        rows = sorted(self._rows.values())
+        assert set(self._rows) == set(self._tables), "every device table holds a row, and only those"
+        assert len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows), "a row has two owners"

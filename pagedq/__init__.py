@@ -25,7 +25,7 @@ __all__ = [
     "Logprob",
 ]
 
-_LAZY = {"LLM": "pagedq.llm", "LLMEngine": "pagedq.engine", "EngineArgs": "pagedq.config", "Client": "pagedq.client"}
+_LAZY = {"LLM": "pagedq.front.llm", "LLMEngine": "pagedq.front.llm_engine", "EngineArgs": "pagedq.config", "Client": "pagedq.client"}
 
 
 def __getattr__(name: str):

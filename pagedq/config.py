@@ -36,6 +36,13 @@ class EngineArgs:
     preemption_mode: PreemptionMode = "recompute"
     swap_space: float = 4.0
     kv_cache_dtype: str = "auto"
+    # Overlapped steps: the host schedules and prepares step N+1 while the device runs
+    # step N (pagedq.core.engine_core). None: on for CUDA, off for CPU (where the device
+    # is the host's own cores and nothing runs beside it).
+    async_scheduling: bool | None = None
+    # Run the engine core in a process of its own (pagedq.front.core_client): the front's
+    # detokenization and output processing then run beside the core's steps.
+    core_process: bool = False
     # Benchmarks only (`pagedq bench host`): the forward returns fixed logits and costs
     # nothing, so a run measures the host's own cost per step (worker.models.stub).
     stub_forward: bool = False

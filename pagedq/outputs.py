@@ -11,10 +11,12 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class RequestOutputKind(enum.Enum):
-    """Which steps report a request (vLLM's names): every step, with everything so far
-    (the service streams from these), or only the last (offline `LLM.generate`)."""
+    """Which steps report a request, and with what (vLLM's names): every step with
+    everything so far (the service streams from these), every step with only what is new
+    since the request's last output, or only the last step (offline `LLM.generate`)."""
 
     CUMULATIVE = "cumulative"
+    DELTA = "delta"
     FINAL_ONLY = "final_only"
 
 

@@ -24,7 +24,7 @@ from pagedq.request_rules import ValidInput, describe_invalid
 from pagedq.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedq.engine import LLMEngine
+    from pagedq.front.llm_engine import LLMEngine
 
 # RQ job ids (our seq_ids) must match this.
 SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

@@ -1,10 +1,9 @@
 from scheduler.scheduler import (
     PREEMPTION_MODES,
     PreemptionMode,
-    ScheduledSequence,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
 
-__all__ = ["PREEMPTION_MODES", "PreemptionMode", "Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledSequence"]
+__all__ = ["PREEMPTION_MODES", "PreemptionMode", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

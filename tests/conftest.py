@@ -8,6 +8,11 @@ treat the directory as read-only (copy it before editing files in it).
 
 `tiny_arch` is parametrized over every architecture `make_tiny_model` can write, so a
 test taking it runs once per architecture.
+
+`overlap` is parametrized over the engine core's two ways of stepping: each step
+collected before the next is scheduled, and overlapped steps (`async_scheduling`: step
+N+1 scheduled and launched before step N's tokens are known on the host). A test taking
+it passes it to the engine and runs once each way.
 """
 
 from __future__ import annotations
@@ -35,4 +40,9 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(params=TINY_ARCHS)
 def tiny_arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def overlap(request) -> bool:
     return request.param

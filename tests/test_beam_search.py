@@ -60,8 +60,8 @@ def run(llm: LLM, params: BeamSearchParams, eos: set[int]):
     return outputs
 
 
-def test_beam_width_one_is_greedy(model_dir):
-    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+def test_beam_width_one_is_greedy(model_dir, overlap):
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=overlap)
     greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0), use_tqdm=False)
     beams = run(llm, BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True), set())
     for prompt, g, b in zip(PROMPTS, greedy, beams):
@@ -71,8 +71,8 @@ def test_beam_width_one_is_greedy(model_dir):
 
 
 @pytest.mark.parametrize("width,length_penalty,cache_blocks", [(3, 1.0, None), (4, 0.5, None), (3, 2.0, 6)])
-def test_matches_reference_beam_search(model_dir, hf, width, length_penalty, cache_blocks):
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", num_gpu_blocks_override=cache_blocks)
+def test_matches_reference_beam_search(model_dir, hf, width, length_penalty, cache_blocks, overlap):
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=overlap, num_gpu_blocks_override=cache_blocks)
     params = BeamSearchParams(beam_width=width, max_tokens=8, length_penalty=length_penalty)
     # An EOS that beams actually propose: the second likeliest first token of the first prompt.
     with torch.no_grad():

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pagedq.sampling_params import SamplingParams
-from pagedq.detokenizer import IncrementalDetokenizer, ids_decoder
+from pagedq.front.detokenizer import IncrementalDetokenizer, ids_decoder
 
 EOS = "<|endoftext|>"
 CORPUS = [
@@ -300,6 +300,44 @@ def test_sentencepiece_stream_equals_full_decode_in_the_prompts_context(
     expected = full_text[len(prompt_text):]
     assert detok.output_text == expected
     assert_grows_by_appending(snapshots, expected)
+
+
+@hypothesis_settings
+@given(
+    prompt_ids=sentencepiece_ids,
+    output_ids=sentencepiece_ids,
+    skip_special_tokens=st.booleans(),
+    byte_level=st.booleans(),
+)
+def test_tokens_decoded_at_once_give_the_text_they_give_one_at_a_time(prompt_ids, output_ids, skip_special_tokens,
+                                                                     byte_level):
+    """Without stop strings tokens wait for a read; one read at the end must show what
+    reading after every token shows."""
+    tok = byte_level_tokenizer() if byte_level else sentencepiece_tokenizer()
+    if byte_level:
+        prompt_ids, output_ids = [t % 400 for t in prompt_ids], [t % 400 for t in output_ids]
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    one_at_a_time = IncrementalDetokenizer(tok, prompt_ids, params)
+    _, snapshots = stream(one_at_a_time, output_ids, [1])
+    one_at_a_time.finish()
+    at_once = IncrementalDetokenizer(tok, prompt_ids, params)
+    for token in output_ids:
+        at_once.update([token])
+    at_once.finish()
+    assert at_once.output_text == one_at_a_time.output_text
+
+
+def test_without_stop_strings_tokens_are_decoded_when_read():
+    tok = byte_level_tokenizer()
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 10)
+    recorder = DecodeRecorder(tok)
+    detok = IncrementalDetokenizer(recorder, tok.encode("a prompt"), SamplingParams())
+    calls_after_init = len(recorder.lengths)
+    for token in ids:
+        detok.update([token])
+    assert len(recorder.lengths) == calls_after_init  # nothing decoded yet
+    assert detok.output_text == tok.decode(ids)
+    assert len(recorder.lengths) - calls_after_init <= 2
 
 
 @pytest.mark.parametrize("include", [False, True])

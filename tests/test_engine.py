@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedq import LLM, SamplingParams
-from pagedq.engine import LLMEngine
+from pagedq.front.llm_engine import LLMEngine
 
 MAX_TOKENS = 24
 # Prompt lengths straddling block edges (block size 16) and chunk edges.
@@ -59,23 +59,23 @@ def llama_dir(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llama(llama_dir):
-    return LLM(str(llama_dir), dtype="float32", device="cpu")
+def llama(llama_dir, overlap):
+    return LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap)
 
 
-def test_greedy_equals_hf_generate(tiny_model_dir, tiny_arch):
+def test_greedy_equals_hf_generate(tiny_model_dir, tiny_arch, overlap):
     model_dir = tiny_model_dir(tiny_arch)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", async_scheduling=overlap)
     prompts = random_prompts(llm.llm_engine.vocab_size)
     assert generate_ids(llm, prompts, GREEDY) == hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert_all_blocks_free(llm.llm_engine)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_greedy_equals_hf_when_the_cache_forces_preemption(llama_dir, preemption_mode):
+def test_greedy_equals_hf_when_the_cache_forces_preemption(llama_dir, preemption_mode, overlap):
     # 7 blocks of 16 tokens hold two of these sequences at most: the rest must wait or be preempted.
     llm = LLM(
-        str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7,
+        str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, num_gpu_blocks_override=7,
         preemption_mode=preemption_mode, swap_space=1e-3,
     )
     prompts = random_prompts(llm.llm_engine.vocab_size, lens=(40, 33, 20, 17, 45))
@@ -85,13 +85,13 @@ def test_greedy_equals_hf_when_the_cache_forces_preemption(llama_dir, preemption
     assert_all_blocks_free(llm.llm_engine)
 
 
-def test_swap_falls_back_to_recompute_when_swap_space_is_full(llama_dir):
+def test_swap_falls_back_to_recompute_when_swap_space_is_full(llama_dir, overlap):
     # Swap space for one block only: most preemptions must recompute instead.
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7, preemption_mode="swap")
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, num_gpu_blocks_override=7, preemption_mode="swap")
     engine = llm.llm_engine
     bytes_per_block = engine.runner.kv_cache.bytes_per_block
     llm = LLM(
-        str(llama_dir), dtype="float32", device="cpu", num_gpu_blocks_override=7, preemption_mode="swap",
+        str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, num_gpu_blocks_override=7, preemption_mode="swap",
         swap_space=bytes_per_block / (1 << 30),
     )
     prompts = random_prompts(llm.llm_engine.vocab_size, lens=(40, 33, 20, 17, 45))
@@ -100,8 +100,8 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_full(llama_dir):
     assert_all_blocks_free(llm.llm_engine)
 
 
-def test_greedy_equals_hf_with_chunked_prefill(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_batched_tokens=7)
+def test_greedy_equals_hf_with_chunked_prefill(llama_dir, overlap):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, max_num_batched_tokens=7)
     prompts = random_prompts(llm.llm_engine.vocab_size)
     assert generate_ids(llm, prompts, GREEDY) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
     # Each step computed at most 7 tokens, so the prompts needed many steps to prefill.
@@ -110,12 +110,12 @@ def test_greedy_equals_hf_with_chunked_prefill(llama_dir):
     assert stats["tokens_computed"] <= 7 * stats["steps"]
 
 
-def test_prefix_caching_changes_nothing_but_the_work(llama_dir):
+def test_prefix_caching_changes_nothing_but_the_work(llama_dir, overlap):
     shared = random_prompts(512, lens=(40,), seed=3)[0]
     prompts = [shared + tail for tail in random_prompts(512, lens=(1, 5, 9, 20), seed=4)]
     outputs = {}
     for caching in (False, True):
-        llm = LLM(str(llama_dir), dtype="float32", device="cpu", enable_prefix_caching=caching)
+        llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, enable_prefix_caching=caching)
         llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # fills the cache
         before = llm.llm_engine.stats()["prompt_tokens_computed"]
         outputs[caching] = generate_ids(llm, prompts, GREEDY)
@@ -287,12 +287,12 @@ def test_eos_ends_generation_unless_ignored(llama):
     prompt = {"prompt_token_ids": [21, 22, 23]}
     tokens = llama.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     saved = engine.eos_token_ids
-    engine.eos_token_ids = engine.sampler.eos_token_ids = {tokens[4]}
+    engine.eos_token_ids = {tokens[4]}
     try:
         out = llama.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0]
         ignored = llama.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
     finally:
-        engine.eos_token_ids = engine.sampler.eos_token_ids = saved
+        engine.eos_token_ids = saved
     first = tokens.index(tokens[4])
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
     # vLLM V1 leaves the eos token's text out (it would show with skip_special_tokens=False).
@@ -345,8 +345,8 @@ def test_metrics_are_ordered(llama):
     assert out.prompt == "hello there" and out.prompt_token_ids and out.finished
 
 
-def test_priority_runs_first_with_one_slot(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_seqs=1)
+def test_priority_runs_first_with_one_slot(llama_dir, overlap):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, max_num_seqs=1)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for rid, priority in (("low-1", 5), ("low-2", 5), ("urgent", -1), ("mid", 0)):
@@ -357,8 +357,8 @@ def test_priority_runs_first_with_one_slot(llama_dir):
     assert order == ["urgent", "mid", "low-1", "low-2"]
 
 
-def test_parallel_sampling_shares_the_prompt(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu")
+def test_parallel_sampling_shares_the_prompt(llama_dir, overlap):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap)
     engine = llm.llm_engine
     prompt = {"prompt_token_ids": random_prompts(512, lens=(70,), seed=8)[0]}
 
@@ -387,8 +387,8 @@ def test_parallel_sampling_shares_the_prompt(llama_dir):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
-def test_skip_tokenizer_init_takes_token_ids_only(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", device="cpu", skip_tokenizer_init=True)
+def test_skip_tokenizer_init_takes_token_ids_only(llama_dir, overlap):
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", async_scheduling=overlap, skip_tokenizer_init=True)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="tokenizer"):

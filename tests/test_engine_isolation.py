@@ -12,9 +12,10 @@ model, with one component wrapped to throw whenever the poison request's rows ar
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedq import LLM, BeamSearchParams, SamplingParams
-from pagedq.llm import RequestFailed
+from pagedq.front.llm import RequestFailed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=7)
@@ -22,8 +23,8 @@ BYSTANDERS = [[5, 6, 7], [9, 10, 11, 12], [300, 301], [40] * 20, [77, 78, 79], [
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=8)
+def llm(tiny_model_dir, overlap):
+    return LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", async_scheduling=overlap, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +43,27 @@ def is_poison(request) -> bool:
 
 
 class Poisoned:
-    """Wraps a callable of the engine so that it throws whenever a sequence of the poison request is in its input."""
+    """Wraps a callable of the engine so that it throws whenever the poison request is among those in its input."""
 
-    def __init__(self, inner, rows_of):
-        self.inner, self.rows_of = inner, rows_of
+    def __init__(self, inner, requests_of):
+        self.inner, self.requests_of = inner, requests_of
         self.calls = 0
 
     def __call__(self, *args):
         self.calls += 1
-        if any(is_poison(seq.request) for seq in self.rows_of(*args)):
+        if any(is_poison(request) for request in self.requests_of(*args)):
             raise RuntimeError("poison")
         return self.inner(*args)
+
+
+def sampled_requests(logits, rows):
+    return [seq.request for seq in rows]
+
+
+def planned_requests(engine):
+    """The requests of a forward's StepPlan."""
+    core = engine.engine_core
+    return lambda plan: [core.requests[rid] for rid in plan.request_ids if rid in core.requests]
 
 
 def run_with_poison(llm, poison_params=GREEDY):
@@ -85,8 +96,8 @@ def assert_only_the_poison_failed(llm, finished, alone, what: str):
 
 def test_a_sampling_fault_fails_only_its_request(llm, alone, monkeypatch):
     engine = llm.llm_engine
-    poisoned = Poisoned(engine.sampler, lambda logits, rows: rows)
-    monkeypatch.setattr(engine, "sampler", poisoned)
+    poisoned = Poisoned(engine.runner.sample, sampled_requests)
+    monkeypatch.setattr(engine.runner, "sample", poisoned)
     finished = run_with_poison(llm, SamplingParams(temperature=0.0, max_tokens=8, n=2))
     assert_only_the_poison_failed(llm, finished, alone, "sampling failed")
     assert poisoned.calls > 1  # the batched call threw, then each request was sampled alone
@@ -94,44 +105,42 @@ def test_a_sampling_fault_fails_only_its_request(llm, alone, monkeypatch):
 
 def test_a_forward_fault_fails_only_its_request(llm, alone, monkeypatch):
     engine = llm.llm_engine
-    poisoned = Poisoned(engine.runner.execute, lambda sched, tables: [item.seq for item in sched.scheduled])
-    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    poisoned = Poisoned(engine.runner.forward, planned_requests(engine))
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
     finished = run_with_poison(llm)
     assert_only_the_poison_failed(llm, finished, alone, "forward pass failed")
 
 
-def test_a_detokenizer_fault_fails_only_its_request(llm, alone):
+def test_a_detokenizer_fault_fails_only_its_request(llm, alone, monkeypatch):
+    from pagedq.front import output_processor
+
     class Exploding:
         def update(self, token_ids):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poison")
 
-    engine = llm.llm_engine
-    original = engine._new_sequence
+    real = output_processor.IncrementalDetokenizer
 
-    def new_sequence(request, index, parent=None):
-        seq = original(request, index, parent)
-        if is_poison(request):
-            seq.detokenizer = Exploding()
-        return seq
+    def detokenizer(tokenizer, prompt_token_ids, params):
+        return Exploding() if prompt_token_ids == POISON else real(tokenizer, prompt_token_ids, params)
 
-    engine._new_sequence = new_sequence
-    try:
-        finished = run_with_poison(llm)
-    finally:
-        del engine._new_sequence
+    monkeypatch.setattr(output_processor, "IncrementalDetokenizer", detokenizer)
+    finished = run_with_poison(llm)
     assert_only_the_poison_failed(llm, finished, alone, "processing its new token failed")
 
 
 def test_a_token_outside_the_vocabulary_fails_only_its_request(llm, alone, monkeypatch):
     engine = llm.llm_engine
-    sampler = engine.sampler
+    sample = engine.runner.sample
 
     def out_of_vocab(logits, rows):
-        out = sampler(logits, rows)
-        out.token_ids = [engine.vocab_size if is_poison(seq.request) else t for seq, t in zip(rows, out.token_ids)]
+        out = sample(logits, rows)
+        poison = [i for i, seq in enumerate(rows) if is_poison(seq.request)]
+        if poison:
+            with torch.inference_mode():  # the sampler's tensors are inference tensors
+                out.token_ids[poison] = engine.vocab_size
         return out
 
-    monkeypatch.setattr(engine, "sampler", out_of_vocab)
+    monkeypatch.setattr(engine.runner, "sample", out_of_vocab)
     assert_only_the_poison_failed(llm, run_with_poison(llm), alone, "outside the vocabulary")
 
 
@@ -148,7 +157,7 @@ def test_a_beam_search_fault_fails_only_its_request(llm, alone, monkeypatch):
 
 def test_generate_raises_for_the_failed_prompt_and_the_next_call_runs(llm, alone, monkeypatch):
     engine = llm.llm_engine
-    monkeypatch.setattr(engine, "sampler", Poisoned(engine.sampler, lambda logits, rows: rows))
+    monkeypatch.setattr(engine.runner, "sample", Poisoned(engine.runner.sample, sampled_requests))
     with pytest.raises(RequestFailed, match="prompt 1 failed: sampling failed") as failed:
         llm.generate([{"prompt_token_ids": BYSTANDERS[0]}, {"prompt_token_ids": POISON}], GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -161,10 +170,10 @@ def test_a_step_that_raises_leaves_generate_callable(llm, alone, monkeypatch):
     """The issue's hang: a step raised inside generate, the request stayed in the engine and the next call never returned."""
     engine = llm.llm_engine
 
-    def broken(sched, tables):
+    def broken(plan):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.runner, "forward", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate([{"prompt_token_ids": p} for p in BYSTANDERS[:2]], GREEDY, use_tqdm=False)
     monkeypatch.undo()

@@ -55,23 +55,25 @@ def alone(tiny_model_dir):
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_mixed_workload_under_memory_pressure(tiny_model_dir, alone, preemption_mode):
+def test_mixed_workload_under_memory_pressure(tiny_model_dir, alone, preemption_mode, overlap):
     llm = LLM(
-        str(tiny_model_dir("llama")), dtype="float32", device="cpu", num_gpu_blocks_override=10,
+        str(tiny_model_dir("llama")), dtype="float32", device="cpu", async_scheduling=overlap, num_gpu_blocks_override=10,
         max_num_batched_tokens=48, max_num_seqs=12, preemption_mode=preemption_mode, swap_space=4e-4,
     )
     engine = llm.llm_engine
     pending = make_requests(0)
     rng = random.Random(1)
-    aborted, results, steps = set(), {}, 0
+    added, aborted, results, steps = set(), set(), {}, 0
     while pending or engine.has_unfinished_requests():
         # Requests arrive a few at a time while others run; now and then one is aborted.
         for _ in range(min(len(pending), rng.randint(0, 3))):
             rid, prompt, params, priority = pending.pop(0)
             engine.add_request(rid, {"prompt_token_ids": prompt}, params, priority=priority,
                                output_kind=RequestOutputKind.FINAL_ONLY)
-        if engine.requests and rng.random() < 0.03:
-            victim = rng.choice(sorted(engine.requests))
+            added.add(rid)
+        live = sorted(added - set(results) - aborted)
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
             engine.abort_request(victim)
             aborted.add(victim)
         for output in engine.step():

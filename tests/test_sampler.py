@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedq.sampling_params import SamplingParams
-from pagedq.sampler import Sampler, _apply_penalties
+from worker.sampler import Sampler, _apply_penalties
 
 EOS = 3
 
@@ -18,6 +18,10 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=lambda: [0])
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -59,7 +63,7 @@ def test_logits_past_vocab_size_are_never_sampled():
 def test_repetition_penalty_matches_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0]])
     row = Row(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 0], output_token_ids=[1])
-    penalised = _apply_penalties(logits, [row])
+    penalised = _apply_penalties(logits, [row], [0])
     # Seen tokens 0 (prompt) and 1 (output): positive divided, negative multiplied.
     assert penalised.tolist() == [[1.0, -2.0, 0.5, -0.5, 3.0]]
 
@@ -71,7 +75,7 @@ def test_frequency_and_presence_penalties_match_hand_computation():
         prompt_token_ids=[3, 3, 3],  # prompt tokens are not penalised by these two
         output_token_ids=[1, 1, 2],
     )
-    penalised = _apply_penalties(logits, [row])
+    penalised = _apply_penalties(logits, [row], [0])
     assert penalised.tolist() == [[0.0, -(2 * 0.5 + 0.25), -(0.5 + 0.25), 0.0]]
 
 

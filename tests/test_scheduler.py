@@ -4,24 +4,19 @@ appends a token to every sequence that finished its prompt."""
 from __future__ import annotations
 
 from blockmgr import BlockManager
-from pagedq.outputs import RequestMetrics
+from pagedq.core.request import CoreRequest, Sequence, SequenceStatus
 from pagedq.sampling_params import SamplingParams
-from pagedq.sequence import Request, Sequence, SequenceStatus
 from scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 
 
 def make_seq(name: str, prompt_len: int, priority: int = 0, n: int = 1) -> Sequence:
-    request = Request(
-        request_id=name,
-        prompt=None,
-        prompt_token_ids=list(range(100, 100 + prompt_len)),
-        params=SamplingParams(n=n),
-        metrics=RequestMetrics(arrival_time=0.0),
-        priority=priority,
+    request = CoreRequest(
+        name, list(range(100, 100 + prompt_len)), SamplingParams(n=n, max_tokens=None),
+        arrival_time=0.0, priority=priority, eos_token_ids=set(), max_model_len=1024,
     )
-    seq = Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids))
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     return seq
 
@@ -34,14 +29,19 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, budget=16, mode="recompute", c
 def step(scheduler: Scheduler) -> dict[str, int]:
     """Schedule and advance; returns {request id: tokens computed this step}."""
     out = scheduler.schedule()
-    for item in out.scheduled:
-        item.seq.request.metrics.first_scheduled_time = 0.0
-        samples = item.completes_prompt
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if samples:
-            item.seq.append_token(7)
+    advance(out)
     scheduler.block_manager.check_invariants()
-    return {item.seq.request.request_id: item.num_new_tokens for item in out.scheduled}
+    return {seq.request.request_id: n for seq, n in zip(out.seqs, out.num_new_tokens)}
+
+
+def advance(out) -> None:
+    """What the engine does with a step: compute the scheduled tokens, and give every
+    sequence that completed its prompt a token."""
+    for seq, n in zip(out.seqs, out.num_new_tokens):
+        seq.request.first_scheduled_time = 0.0
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
 
 
 def test_long_prompt_is_chunked_while_others_decode():
@@ -105,11 +105,7 @@ def test_swap_preemption_keeps_the_kv_and_brings_it_back_first():
     out = None
     for _ in range(12):
         out = sched.schedule()
-        for item in out.scheduled:
-            samples = item.completes_prompt
-            item.seq.num_computed_tokens += item.num_new_tokens
-            if samples:
-                item.seq.append_token(7)
+        advance(out)
         if out.swap_out:
             break
     assert sched.preemptions.swap == 1 and sched.swapped == [new]
@@ -121,7 +117,7 @@ def test_swap_preemption_keeps_the_kv_and_brings_it_back_first():
     assert "newcomer" not in step(sched)
     sched.finish(old)
     out = sched.schedule()
-    assert out.swap_in and [i.seq.request.request_id for i in out.scheduled] == ["new", "newcomer"]
+    assert out.swap_in and [seq.request.request_id for seq in out.seqs] == ["new", "newcomer"]
     assert sched.block_manager.num_swapped_blocks == 0
 
 

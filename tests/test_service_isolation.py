@@ -403,7 +403,7 @@ def test_a_job_the_engine_fails_alone_fails_once_and_the_others_finish(service, 
     real engine: nothing that passes the input rules is known to throw any more). The
     poison's job fails once with the engine's error, never retried, while the bystanders
     of the same steps finish with the offline tokens on their first attempt."""
-    from pagedq.engine import LLMEngine
+    from pagedq.front.llm_engine import LLMEngine
     from worker.rq.batch_worker import BatchWorker
     from worker.rq.engine_factory import build_engine
 
@@ -411,14 +411,14 @@ def test_a_job_the_engine_fails_alone_fails_once_and_the_others_finish(service, 
     settings = service_settings(model, redis_server.url, tmp_path, queue_name="isolation-inproc", job_retries=2)
     threads = torch.get_num_threads()
     engine: LLMEngine = build_engine(settings)  # with the workers' one thread, as `expected` was made
-    sampler = engine.sampler
+    sample = engine.runner.sample
 
     def poisoned(logits, rows):
         if any(seq.request.prompt_token_ids == [66, 67, 68] for seq in rows):
             raise FloatingPointError("poison")
-        return sampler(logits, rows)
+        return sample(logits, rows)
 
-    engine.sampler = poisoned
+    engine.runner.sample = poisoned
     queue = Queue("isolation-inproc", connection=redis, serializer=JSONSerializer)
 
     def enqueue(seq_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:

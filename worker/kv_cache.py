@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference import FP8_DTYPE
+from worker.host_copy import to_device
 from worker.models.base import CausalLM
 
 # "auto": the model's dtype. "fp8": e4m3 with a per-layer scale (1.0, as vLLM's default),
@@ -78,14 +79,15 @@ class KVCache:
 
     @staticmethod
     def _move(sources, destinations, copies: list[tuple[int, int]]) -> None:
-        src_ids = torch.tensor([s for s, _ in copies], dtype=torch.int64)
-        dst_ids = torch.tensor([d for _, d in copies], dtype=torch.int64)
+        src_device, dst_device = sources[0][0].device, destinations[0][0].device
+        src_ids = to_device([s for s, _ in copies], torch.int64, src_device)
+        dst_ids = to_device([d for _, d in copies], torch.int64, dst_device)
         for src_layer, dst_layer in zip(sources, destinations):
             for src, dst in zip(src_layer, dst_layer):
                 # Gather first, then scatter: every read happens before any write, so a block
                 # may be both a source and a later destination within one step.
                 # Asynchronous only host-to-device: a device-to-host copy must be complete
                 # before the CPU reads it.
-                gathered = src[src_ids.to(src.device)].to(dst.device, non_blocking=dst.is_cuda)
+                gathered = src[src_ids].to(dst.device, non_blocking=dst.is_cuda)
                 # index_put_, not index_copy_: the latter has no FP8 kernel on CPU.
-                dst.index_put_((dst_ids.to(dst.device),), gathered)
+                dst.index_put_((dst_ids,), gathered)

@@ -1,22 +1,26 @@
-"""Turns a scheduled step into one forward pass: runs the step's block copies and swaps,
-packs every scheduled sequence's new tokens into flat tensors, runs the model over the
-paged KV cache it owns, and returns the logits of the sequences that sample this step."""
+"""The device side of a step: the KV cache's block moves, one forward over every scheduled
+sequence (its inputs prepared by `InputBatch` from what changed), and sampling on the
+device. It owns the model, the paged KV cache, the persistent input batch, the sampler
+and the CUDA graphs; the engine core tells it what to run (worker.input_batch.StepPlan)
+and never waits for the device except to read a step's sampled ids.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionMetadata, get_attention_backend
+from kernels import get_attention_backend
 from pagedq.config import EngineArgs
 from scheduler import SchedulerOutput
 from worker.cuda_graphs import DecodeGraphs
 from worker.host_threads import limit_host_threads_for_gpu
+from worker.input_batch import InputBatch, StepInputs, StepPlan
 from worker.kv_cache import KVCache, kv_cache_dtype
 from worker.models import load_model
 from worker.models.stub import StubForward
+from worker.sampler import DeviceSample, Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -46,72 +50,8 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if checkpoint == torch.float32 else checkpoint
 
 
-@dataclass
-class StepInputs:
-    """One step packed on the host: every scheduled sequence's new tokens back to back, as
-    CPU tensors built with a few tensor ops per step (no Python loop over tokens)."""
-
-    input_ids: torch.Tensor  # int64 [num_tokens]
-    positions: torch.Tensor  # int64 [num_tokens]
-    slots: torch.Tensor  # int64 [num_tokens]
-    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-    seq_lens: torch.Tensor  # int32 [num_seqs]
-    block_tables: torch.Tensor  # int32 [num_seqs, widest table]
-    # Rows of the packed tokens whose logits are wanted (the last token of each sampling sequence).
-    logits_indices: torch.Tensor  # int64
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
-    @classmethod
-    def build(cls, token_ids: list[int], starts: list[int], query_lens: list[int], block_tables: list[list[int]],
-              sampling: list[bool], block_size: int) -> StepInputs:
-        """Sequence s contributes `query_lens[s]` tokens from position `starts[s]`;
-        `token_ids` holds them all, back to back."""
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        ends = torch.tensor(starts, dtype=torch.int64) + q_lens
-        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        # Token i of sequence s sits at position ends[s] - (query_start_loc[s + 1] - i).
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens, output_size=num_tokens)
-        positions = torch.arange(num_tokens) + (ends - query_start_loc[1:])[seq_of_token]
-        blocks = tables[seq_of_token, positions // block_size].long()
-        return cls(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64),
-            positions=positions,
-            slots=blocks * block_size + positions % block_size,
-            query_start_loc=query_start_loc.to(torch.int32),
-            seq_lens=ends.to(torch.int32),
-            block_tables=tables,
-            logits_indices=query_start_loc[1:][torch.tensor(sampling, dtype=torch.bool)] - 1,
-            max_query_len=max(query_lens),
-            max_seq_len=max(s + n for s, n in zip(starts, query_lens)),
-        )
-
-
-def pack_step(out: SchedulerOutput, block_tables: list[list[int]], block_size: int) -> StepInputs:
-    token_ids: list[int] = []
-    for item in out.scheduled:
-        start = item.seq.num_computed_tokens
-        token_ids += item.seq.token_ids[start : start + item.num_new_tokens]
-    return StepInputs.build(
-        token_ids,
-        [item.seq.num_computed_tokens for item in out.scheduled],
-        [item.num_new_tokens for item in out.scheduled],
-        block_tables,
-        [item.completes_prompt for item in out.scheduled],
-        block_size,
-    )
-
-
 class ModelRunner:
-    def __init__(self, args: EngineArgs, hf_config, max_model_len: int):
+    def __init__(self, args: EngineArgs, hf_config, max_model_len: int, eos_token_ids: set[int]):
         self.args = args
         self.device = resolve_device(args.device)
         if self.device.type == "cuda":
@@ -136,6 +76,15 @@ class ModelRunner:
             self.num_cpu_blocks = int(args.swap_space_bytes // self.kv_cache.bytes_per_block)
             self.kv_cache.allocate_swap_space(self.num_cpu_blocks)
         self.graphs = self._capture_decode_graphs()
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(self.max_blocks_per_seq, self.block_size, self.device, self.vocab_size,
+                                      initial_rows=2 * args.max_num_seqs + 8)
+        self.sampler = Sampler(
+            self.vocab_size, eos_token_ids, generator=torch.Generator(device=self.device).manual_seed(args.seed)
+        )
+        # The previous step's sampled ids, on the device: a sequence's next input token
+        # when the host does not know it yet.
+        self.last_sampled: torch.Tensor | None = None
         logger.info(
             "model on %s (%s), attention %s, KV cache %d blocks x %d tokens (%s), swap %d blocks, CUDA graphs: %s",
             self.device, self.dtype, self.attention.name, self.num_blocks, self.block_size, self.cache_dtype,
@@ -169,10 +118,10 @@ class ModelRunner:
         scratch_blocks = -(-num_tokens // self.block_size)
         scratch = KVCache.for_model(self.model, self.block_size, self.cache_dtype, scratch_blocks, self.device)
         scratch.bind(self.model)
-        inputs = StepInputs.build(
-            [0] * num_tokens, [0], [num_tokens], [list(range(scratch_blocks))], [True], self.block_size
-        )
-        self._forward(inputs)
+        plan = StepPlan(rows=[0], starts=[0], query_lens=[num_tokens], token_ids=[0] * num_tokens, pending=[],
+                        logits_of=[0], changed_rows=[(0, list(range(scratch_blocks)))], request_ids=[0])
+        batch = InputBatch(scratch_blocks, self.block_size, self.device, self.vocab_size, initial_rows=1)
+        self._run_model(batch.prepare(plan, None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -194,48 +143,45 @@ class ModelRunner:
     # --- a step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Run the step's block moves and one forward over every scheduled sequence;
-        returns float32 logits, one row per sequence that completes its prompt this step,
-        in scheduled order."""
-        # Order matters (see SchedulerOutput): a block freed by one move may be the
-        # destination of a later one.
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's KV block moves, queued before its forward. Order matters (see
+        SchedulerOutput): a block freed by one move may be the destination of a later one."""
         self.kv_cache.swap_out(out.swap_out)
         self.kv_cache.copy_blocks(out.block_copies)
         self.kv_cache.swap_in(out.swap_in)
-        if out.is_empty:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        inputs = pack_step(out, block_tables, self.block_size)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """One forward over the plan's sequences: float32 logits [len(plan.logits_of), vocab]
+        on the device (queued, not waited for)."""
+        inputs = self.input_batch.prepare(plan, self.last_sampled)
         if self.step_timings is not None:
             self.step_timings.phase("prepare")
-        logits = self._forward(inputs)
+        logits = self._run_model(inputs)
         if self.step_timings is not None:
             self.step_timings.phase("forward")
         return logits
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(inputs.seq_lens.shape[0]):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.seq_lens, inputs.block_tables)
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+        """The rows' tokens (row i reads logits row i), queued on the device; their copy
+        to the host starts at once, behind them."""
+        sample = self.sampler.sample(logits, rows)
+        sample.start_copy()
+        return sample
+
+    @torch.inference_mode()
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Beam search's candidates: the k highest log-probabilities of each row and their ids."""
+        top = logits.log_softmax(dim=-1).topk(min(k, logits.shape[1]), dim=-1)
+        return top.values, top.indices
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        md = inputs.metadata
+        if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(md.num_seqs):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens, md.block_tables)
         else:
-            hidden = self.model(*self._eager_tensors(inputs))
+            hidden = self.model(inputs.input_ids, inputs.positions, md)
         if inputs.logits_indices.numel() == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden[_to(inputs.logits_indices, self.device)]).float()
-
-    def _eager_tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=_to(inputs.slots, dev),
-            block_tables=_to(inputs.block_tables, dev),
-            query_start_loc=_to(inputs.query_start_loc, dev),
-            seq_lens=_to(inputs.seq_lens, dev),
-            max_query_len=inputs.max_query_len,
-            max_seq_len=inputs.max_seq_len,
-        )
-        return _to(inputs.input_ids, dev), _to(inputs.positions, dev), metadata
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()

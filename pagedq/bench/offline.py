@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="leave vLLM's threads unpinned (VLLM_CPU_OMP_THREADS_BIND=nobind), as the other peers'")
     vllm.add_argument("--vllm-kv-cache-gib", type=positive_int, default=4,
                       help="VLLM_CPU_KVCACHE_SPACE: vLLM's KV cache in GiB (default 4)")
+    engine = parser.add_argument_group("pagedq peer")
+    engine.add_argument("--core-process", action="store_true",
+                        help="run pagedq's engine core in a process of its own (EngineArgs.core_process)")
+    engine.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                        help="overlapped steps (EngineArgs.async_scheduling; auto: on for CUDA, off for CPU)")
+    engine.add_argument("--breakdown", action="store_true",
+                        help="print where pagedq's steps spend their host time, by phase (in-process core only)")
     parser.add_argument("--verify", action="store_true",
                         help="greedy sampling, then check pagedq's tokens equal each transformers peer's")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
@@ -92,6 +99,13 @@ def choose_peers(args: argparse.Namespace, device) -> list[str]:
     return args.peers
 
 
+def pagedq_engine_options(args: argparse.Namespace) -> dict:
+    options: dict = {"core_process": args.core_process}
+    if args.async_scheduling != "auto":
+        options["async_scheduling"] = args.async_scheduling == "on"
+    return options
+
+
 def build_peers(args: argparse.Namespace, device, dtype) -> list[Peer]:
     import torch
 
@@ -102,7 +116,8 @@ def build_peers(args: argparse.Namespace, device, dtype) -> list[Peer]:
     hf = HFModel(args.model, device, dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     factories = {
-        "pagedq": lambda: PagedqPeer(args.model, device, dtype, args.seed),
+        "pagedq": lambda: PagedqPeer(args.model, device, dtype, args.seed, pagedq_engine_options(args),
+                                     breakdown=args.breakdown),
         "hf-generate-batch": lambda: HFGenerateBatchPeer(hf, args.seed),
         "hf-generate": lambda: HFGeneratePeer(hf, args.hf_batch_size, args.seed),
         "vllm": lambda: VLLMPeer(args.vllm_python, args.model, dtype_name, args.seed, torch.get_num_threads(),
@@ -141,6 +156,25 @@ def short_counts(runs: list[PeerRun], workload: Workload) -> list[str]:
     ]
 
 
+def breakdown_table(breakdowns: list[dict]) -> str:
+    """pagedq's host time per step by phase (pagedq.core.step_timings), decode-only steps
+    and all steps, from the median pass."""
+    from pagedq.bench.report import format_table
+    from pagedq.core.step_timings import PHASES
+
+    middle = sorted(breakdowns, key=lambda b: b["all"].get("us_per_step", 0))[len(breakdowns) // 2]
+    header = ["steps", "count", "seqs/step", "us/step", "us/seq-step", *[f"{phase} us" for phase in PHASES]]
+    rows = []
+    for kind in ("decode", "all"):
+        summary = middle[kind]
+        if not summary["steps"]:
+            continue
+        rows.append([kind, str(summary["steps"]), f"{summary['mean_seqs_per_step']:.0f}", f"{summary['us_per_step']:.0f}",
+                     f"{summary['us_per_seq_step']:.2f}",
+                     *[f"{summary['phases_us_per_step'][phase]:.0f}" for phase in PHASES]])
+    return "pagedq's host time per step, by phase (the median pass):\n" + format_table(header, rows)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -153,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.verify:
         args.greedy = True
+    if args.breakdown and args.core_process:
+        raise CommandError("--breakdown: needs the engine core in this process (drop --core-process)")
     hf_config, device, dtype, workload = resolve_model_and_workload(args)
     args.peers = choose_peers(args, device)
     if args.verify and ("pagedq" not in args.peers or len(args.peers) < 2):
@@ -183,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  vllm {vllm.version}: model load{'' if args.vllm_eager else ' and torch.compile'} "
               f"{vllm.load_seconds:.1f} s (not timed); threads {'pinned' if vllm.pin_threads else 'unpinned'}")
     print(f"  load average after the runs: {load_average()}")
+    pagedq_peer = next((peer for peer in peers if peer.name == "pagedq"), None)
+    if args.breakdown and pagedq_peer is not None:
+        print()
+        print(breakdown_table(pagedq_peer.breakdowns[-args.rounds:]))
 
     problems = short_counts(runs, workload)
     record = {
@@ -194,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
         "results": rows,
         "load_average_after": load_average(),
     }
+    if args.breakdown and pagedq_peer is not None:
+        record["pagedq_breakdown"] = pagedq_peer.breakdowns[-args.rounds:]
     if vllm is not None:
         record["vllm"] = {"version": vllm.version, "load_seconds": vllm.load_seconds, "enforce_eager": args.vllm_eager,
                           "threads_pinned": not args.vllm_nobind}

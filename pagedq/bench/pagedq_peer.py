@@ -15,11 +15,16 @@ class PagedqPeer:
     name = "pagedq"
     counting_rule = "continuous batching; each request's max_tokens is its own output length (ignore_eos)"
 
-    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype, seed: int):
+    def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype, seed: int,
+                 engine_options: dict | None = None, breakdown: bool = False):
         self.model_dir = model_dir
         self.device = device
         self.dtype = dtype
         self.seed = seed
+        # EngineArgs fields to set (core_process, async_scheduling).
+        self.engine_options = engine_options or {}
+        # With `breakdown`, each pass's per-step phases (pagedq.core.step_timings summaries).
+        self.breakdowns: list[dict] | None = [] if breakdown else None
         self._llm = None
 
     def setup(self, workload: Workload) -> None:
@@ -30,6 +35,7 @@ class PagedqPeer:
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             seed=self.seed,
+            **self.engine_options,
         )
 
     def generate(self, workload: Workload, progress: bool) -> Generation:
@@ -40,7 +46,16 @@ class PagedqPeer:
             for length in workload.output_lens
         ]
         prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
+        timings = None
+        if self.breakdowns is not None:
+            from pagedq.core.step_timings import StepTimings
+
+            timings = StepTimings()
+            self._llm.llm_engine.set_step_timings(timings)
         outputs = self._llm.generate(prompts, params, use_tqdm=progress)
+        if timings is not None:
+            self._llm.llm_engine.set_step_timings(None)
+            self.breakdowns.append({"decode": timings.summary(), "all": timings.summary(decode_only=False)})
         token_ids = [list(output.outputs[0].token_ids) for output in outputs]
         return Generation(token_ids, sum(len(t) for t in token_ids))
 

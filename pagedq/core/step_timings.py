@@ -1,14 +1,17 @@
 """Where an engine step's host time goes, phase by phase, when someone asks.
 
-`pagedq bench host` and `pagedq bench offline --breakdown` attach a `StepTimings` to the
-engine core; without one, the step pays a single `is None` check per phase. Phases:
+`pagedq bench host` and `pagedq bench offline --breakdown` attach a `StepTimings` to an
+in-process engine (LLMEngine.set_step_timings): the front opens and closes each step's
+record, the core and the runner mark their phases in it; without one, a step pays an
+`is None` check per phase. Phases:
 
 - schedule: the scheduler's decisions and the block manager's bookkeeping;
 - prepare: the step's inputs (the persistent batch's differences, the packed arrays, the
   host-to-device copy);
 - forward: the model (on a GPU, only the launch: the device runs it asynchronously);
 - sample: the sampler (launch on a GPU) and the wait for the step's token ids;
-- update: the new tokens appended, stop checks, finished requests freed, outputs built.
+- update: the new tokens appended, stop checks, finished requests freed (the core);
+- output: detokenization, stop strings, `RequestOutput`s (the front's output processor).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "forward", "sample", "update")
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
 
 
 @dataclass

@@ -24,16 +24,23 @@ class StubForward(nn.Module):
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.vocab_size = model.vocab_size
-        device = next(model.parameters()).device
-        # The last id: never a special token of pagedq's tiny tokenizers (those come first).
-        self._logits = torch.zeros(model.vocab_size, dtype=torch.float32, device=device)
-        self._logits[-1] = 1.0
+        self._device = next(model.parameters()).device
+        self._logits = self._fixed_logits(256)
+
+    def _fixed_logits(self, rows: int) -> torch.Tensor:
+        # The last id wins: never a special token of pagedq's tiny tokenizers (those come first).
+        logits = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self._device)
+        logits[:, -1] = 1.0
+        return logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return input_ids.new_empty((input_ids.shape[0], 0), dtype=torch.float32)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._logits.expand(hidden.shape[0], -1)
+        rows = hidden.shape[0]
+        if rows > self._logits.shape[0]:
+            self._logits = self._fixed_logits(2 * rows)
+        return self._logits[:rows]
 
     def bind_kv_caches(self, kv_caches) -> None:
         self.inner.bind_kv_caches(kv_caches)

@@ -89,7 +89,7 @@ from pagedq.settings import Settings
 from worker.rq.publisher import ProgressPublisher, Sending, start_progress
 
 if TYPE_CHECKING:
-    from pagedq.engine import LLMEngine
+    from pagedq.front.llm_engine import LLMEngine
     from pagedq.outputs import RequestOutput
 
 # One round trip per tick for what the worker must learn from Redis:
@@ -765,6 +765,6 @@ def _cache_config(engine) -> dict[str, str]:
     return {
         "block_size": str(args.block_size), "cache_dtype": str(args.kv_cache_dtype),
         "enable_prefix_caching": str(args.enable_prefix_caching),
-        "num_gpu_blocks": str(engine.block_manager.num_total_blocks),
-        "num_cpu_blocks": str(engine.runner.num_cpu_blocks), "swap_space": str(args.swap_space),
+        "num_gpu_blocks": str(engine.core_info.num_gpu_blocks),
+        "num_cpu_blocks": str(engine.core_info.num_cpu_blocks), "swap_space": str(args.swap_space),
     }

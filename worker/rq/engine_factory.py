@@ -11,7 +11,7 @@ from pagedq.settings import Settings
 if TYPE_CHECKING:
     import torch
 
-    from pagedq.engine import LLMEngine
+    from pagedq.front.llm_engine import LLMEngine
 
 
 def torch_threads(settings: Settings, device: torch.device) -> int | None:

@@ -25,7 +25,7 @@ from worker.rq.engine_factory import build_engine
 from worker.rq.publisher import ProgressPublisher
 
 if TYPE_CHECKING:
-    from pagedq.engine import LLMEngine
+    from pagedq.front.llm_engine import LLMEngine
 
 
 @lru_cache(maxsize=1)

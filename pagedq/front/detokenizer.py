@@ -18,6 +18,13 @@ Byte-level BPE can split one UTF-8 character across tokens; until the rest arriv
 window's text ends in U+FFFD. Those trailing replacement characters are never shown, and
 the window slides forward only once its text ends cleanly, so that a later token can
 complete the character.
+
+Without stop strings nothing needs the text between reads, so tokens wait until someone
+reads `output_text` (or `finish()`), and the window then takes every waiting token in one
+decode: an offline request is decoded once, when it ends, instead of once per token.
+Decoding a window of many new tokens gives the text the same tokens give one at a time
+(the tests check this for byte-level BPE and SentencePiece-style decoders, whatever the
+chunking).
 """
 
 from __future__ import annotations
@@ -55,9 +62,13 @@ class IncrementalDetokenizer:
         self._num_output_tokens = 0
         self._text = ""
         self._done = False
+        # Tokens not yet decoded (only without stop strings: see the module's docstring).
+        self._waiting: list[int] = []
 
     @property
     def output_text(self) -> str:
+        if self._waiting:
+            self._decode_waiting(final=False)
         if self._done or self._holdback == 0:
             return self._text
         return self._text[: max(len(self._text) - self._holdback, 0)]
@@ -74,6 +85,10 @@ class IncrementalDetokenizer:
             raise RuntimeError("update() after the detokenizer stopped or finished")
         if stop_terminated and not self._include_stop_str:
             new_token_ids = new_token_ids[:-1]
+        if not self._stop_strings:
+            skipped = self._skipped_ids
+            self._waiting += [t for t in new_token_ids if t not in skipped] if skipped else new_token_ids
+            return None
         searched_from = len(self._text)
         for token_id in new_token_ids:
             self._num_output_tokens += 1
@@ -90,8 +105,13 @@ class IncrementalDetokenizer:
         """Generation ended for another reason: show everything, even a dangling U+FFFD
         (the full decode shows it too)."""
         if not self._done:
-            self._append_window_text(final=True)
+            self._decode_waiting(final=True)
             self._done = True
+
+    def _decode_waiting(self, final: bool) -> None:
+        self._window += self._waiting
+        self._waiting = []
+        self._append_window_text(final)
 
     def _prompt_context(self, prompt: list[int]) -> tuple[list[int], str]:
         """The prompt's last tokens that decode cleanly: at least _PROMPT_CONTEXT_TOKENS,

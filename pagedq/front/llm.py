@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pagedq.beam_search import BeamSearchParams
 from pagedq.config import EngineArgs
-from pagedq.engine import LLMEngine, PromptType
+from pagedq.front.llm_engine import LLMEngine, PromptType
 from pagedq.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput, RequestOutputKind
 from pagedq.sampling_params import SamplingParams
 

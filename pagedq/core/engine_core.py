@@ -1,0 +1,578 @@
+"""EngineCore: continuous batching over a paged KV cache, as token ids in and token ids out.
+
+The core owns the scheduler, the block manager and the model runner (the device side).
+It takes requests as token ids (`pagedq.core.messages.AddRequest`) and each `step()`
+returns what the step made known: each sequence's new token ids, finishes by length, eos
+or stop token, requests failed alone. Text, stop strings and `RequestOutput`s are the
+front's (pagedq.front); the core never sees a tokenizer.
+
+One step: schedule → launch (block moves, one forward, sampling, all queued on the
+device) → collect a launched step's sampled ids → append them, check the length, eos and
+stop tokens, free what finished.
+
+Overlapped steps (`EngineArgs.async_scheduling`, on by default on CUDA). The core keeps
+up to two steps in flight: it schedules and launches step N+1 while the device still
+runs step N, and only then waits for step N's ids. Each sequence sampled by step N
+carries a pending token (see pagedq.core.request): step N+1 computes its position with
+the id read from step N's sampled ids on the device, and the host appends it a step
+later. A sequence that ends at step N (eos, a stop token) has its step-N+1 token thrown
+away: the one discarded token overlap costs. A sequence whose last allowed token is in
+flight is not scheduled again. Requests that need their tokens on the host before their
+next step sit out the step after each of theirs (`CoreRequest.sync`: beam search, which
+picks the next beams on the host, and penalties, counted on the host); n > 1 requests
+branch when their prompt's last chunk is scheduled, so their first tokens are all
+sampled from that step. Seeded sampling and logprobs need nothing from the host and run
+ahead like the rest. Without overlap (the CPU default: there the device is the host, and
+nothing runs beside it) each step is collected as soon as it is launched.
+
+Isolation: whatever one request causes to throw (its forward, its sampling, its beams, a
+token outside the vocabulary) fails that request alone; the step goes on for the others
+(`_forward`, `_sample`, `_fail_request`). A step that raises for every request raises;
+the core then drops every request, so the next caller finds it empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from blockmgr import BlockManager
+from pagedq.beam_search import BeamSearch
+from pagedq.config import EngineArgs
+from pagedq.core.messages import AddRequest, BeamHypothesis, CoreInfo, CoreOutputs
+from pagedq.core.request import CoreRequest, Sequence, SequenceStatus
+from pagedq.model_info import load_hf_config, resolve_max_model_len
+from scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from worker.host_copy import HostCopy, to_device
+from worker.input_batch import StepPlan
+from worker.model_runner import ModelRunner
+from worker.sampler import SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens_computed: int = 0  # prompt positions whose KV was computed (cache hits excluded)
+    tokens_computed: int = 0  # every position computed, recomputation after preemption included
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _LaunchedStep:
+    """A step on the device: its sampling rows, and how their ids come back."""
+
+    step_id: int
+    rows: list[Sequence]  # the sampler's rows, in order
+    sample: object  # DeviceSample, or _HostSample when sampling fell back to one request at a time
+    beams: list[Sequence] = field(default_factory=list)
+    beam_top: HostCopy | None = None  # (top logprobs, their ids), a row per beam
+
+
+class _HostSample:
+    """Sampling results already on the host (the fallback path samples synchronously)."""
+
+    def __init__(self, output: SamplerOutput, device: torch.device):
+        self.output = output
+        self.token_ids = torch.tensor(output.token_ids, dtype=torch.int64, device=device)
+
+    def to_host(self) -> SamplerOutput:
+        return self.output
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, eos_token_ids: set[int]):
+        self.args = args
+        hf_config = load_hf_config(args.model)
+        self.max_model_len = resolve_max_model_len(hf_config, args.max_model_len)
+        self.runner = ModelRunner(args, hf_config, self.max_model_len, set(eos_token_ids))
+        self._fit_max_model_len_to_cache()
+        self.block_manager = BlockManager(
+            self.runner.num_blocks,
+            args.block_size,
+            watermark=args.watermark,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.preemption_mode), self.block_manager
+        )
+        self.vocab_size = self.runner.vocab_size
+        self.device = self.runner.device
+        self._eos_token_ids = set(eos_token_ids)
+        self.requests: dict[int, CoreRequest] = {}
+        self.counters = EngineCounters()
+        overlap = args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda"
+        self.max_steps_in_flight = 2 if overlap else 1
+        self._in_flight: deque[_LaunchedStep] = deque()
+        self._step_id = 0
+        self._out = CoreOutputs()
+        # Failures found between steps, for the next step's outputs.
+        self._reported: list[tuple[int, str]] = []
+
+    def _fit_max_model_len_to_cache(self) -> None:
+        """Every request must fit the cache alone, or preempting the others could not save it."""
+        capacity = self.runner.num_blocks * self.args.block_size
+        if capacity >= self.max_model_len:
+            return
+        if self.args.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} tokens do not fit the KV cache of {self.runner.num_blocks} "
+                f"blocks x {self.args.block_size} = {capacity} tokens; lower max_model_len or give the cache more memory"
+            )
+        logger.warning("max_model_len lowered from %d to %d tokens, what the KV cache holds", self.max_model_len, capacity)
+        self.max_model_len = capacity
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, device=str(self.device),
+            num_gpu_blocks=self.block_manager.num_total_blocks, num_cpu_blocks=self.runner.num_cpu_blocks,
+            block_size=self.args.block_size, attention_backend=self.runner.attention.name,
+        )
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self._eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: set[int]) -> None:
+        """Applies to requests added from now on (and to min_tokens masking at once)."""
+        self._eos_token_ids = set(token_ids)
+        self.runner.sampler.eos_token_ids = set(token_ids)
+
+    @property
+    def step_timings(self):
+        return self.runner.step_timings
+
+    @step_timings.setter
+    def step_timings(self, timings) -> None:
+        self.runner.step_timings = timings
+
+    # --- requests -----------------------------------------------------------------------
+
+    def add_request(self, message: AddRequest) -> None:
+        """Queue a request the front validated (pagedq.front.input_processor)."""
+        if message.request_id in self.requests:
+            raise ValueError(f"request {message.request_id} is already in the engine core")
+        beam = None
+        if message.beam is not None:
+            beam = BeamSearch(message.beam, len(message.prompt_token_ids), self._eos_token_ids)
+        request = CoreRequest(
+            message.request_id, message.prompt_token_ids, message.params, arrival_time=message.arrival_time,
+            priority=message.priority, eos_token_ids=self._eos_token_ids, max_model_len=self.max_model_len,
+            beam_search=beam,
+        )
+        first = self._new_sequence(request, 0)
+        request.seqs.append(first)
+        if beam is not None:
+            beam.live.append(first)
+        self.requests[request.request_id] = request
+        self.scheduler.add(first)
+
+    def _new_sequence(self, request: CoreRequest, index: int, parent: Sequence | None = None) -> Sequence:
+        seq = Sequence(request, index, list(parent.token_ids if parent is not None else request.prompt_token_ids))
+        if parent is not None:
+            seq.cumulative_logprob = parent.cumulative_logprob
+        if request.params.seed is not None:
+            # Each of the n outputs gets its own stream, the same whatever else is batched.
+            seq.generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
+        return seq
+
+    def abort_requests(self, request_ids: list[int]) -> None:
+        """Stop requests now and free their KV blocks; unknown or finished ids are ignored.
+        A token of theirs still in flight is dropped when its step is collected."""
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            self._end_sequences(request, "abort")
+            self.counters.requests_aborted += 1
+
+    def report_failure(self, request_id: int, error: str) -> None:
+        """A request that could not even be added: the next step's outputs say so."""
+        self._reported.append((request_id, error))
+
+    def stop_sequences(self, sequences: list[tuple[int, int]]) -> None:
+        """The front ended these sequences (a stop string): free them now. A request whose
+        every sequence has ended is done."""
+        for request_id, index in sequences:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if seq.index == index and not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "stop"
+            self._retire_if_done(request)
+
+    def _retire_if_done(self, request: CoreRequest) -> None:
+        if request.request_id in self.requests and (request.branched or request.width == 1) and all(
+            seq.is_finished for seq in request.seqs
+        ):
+            del self.requests[request.request_id]
+            self.counters.requests_finished += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Requests to run, or a step still in flight to collect."""
+        return bool(self.requests) or bool(self._in_flight)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def step(self) -> CoreOutputs:
+        """Launch a step if there is room and work, collect the oldest step in flight when
+        the queue is full or nothing could be launched; returns what became known."""
+        self._out = out = CoreOutputs()
+        if self._reported:
+            out.failed, self._reported = self._reported, []
+        try:
+            launched = False
+            if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
+                launched = self._schedule_and_launch()
+            if self._in_flight and (not launched or len(self._in_flight) >= self.max_steps_in_flight):
+                self._collect(self._in_flight.popleft())
+        except BaseException:
+            # Not any one request's fault: the engine's state cannot be trusted, so every
+            # request goes, and the caller finds the core empty.
+            self.drop_everything()
+            raise
+        out.timestamp = time.time()
+        return out
+
+    def drop_everything(self) -> None:
+        self._in_flight.clear()
+        self.runner.last_sampled = None
+        self.abort_requests(list(self.requests))
+
+    def _schedule_and_launch(self) -> bool:
+        timings = self.runner.step_timings
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if sched.swap_out:
+                self.runner.move_blocks(sched)  # preempted by swap with nothing else to run
+            if not self.scheduler.running and not self._in_flight and self.scheduler.has_unfinished():
+                # add_request refuses what can never be scheduled, so this is a pagedq bug;
+                # the request that blocks the queue fails rather than every request.
+                stuck = self.scheduler.next_in_line().request
+                logger.error("request %s: the scheduler could not run it (a pagedq bug)", stuck.request_id)
+                self._fail_request(stuck, "the scheduler could not run this request (a pagedq bug)")
+            return False
+        if timings is not None:
+            timings.shape(len(sched.seqs), sched.num_tokens)
+            timings.phase("schedule")
+        self._step_id += 1
+        self.counters.steps += 1
+        plan, samplers, beams, forks = self._plan(sched)
+
+        self.runner.move_blocks(sched)
+        logits = self._forward(sched, plan)
+        # The step is committed: advance every scheduled sequence by what it computes.
+        counters = self.counters
+        for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # failed alone in _forward
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_new
+            counters.tokens_computed += num_new
+            if start < seq.num_prompt_tokens:
+                counters.prompt_tokens_computed += min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
+            self.block_manager.cache_full_blocks(seq.uid, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
+        for parent, logits_row in forks:
+            if parent.status is SequenceStatus.RUNNING:
+                samplers += [(child, logits_row) for child in self._fork(parent)]
+        if timings is not None:
+            timings.phase("update")
+        rows = [seq for seq, _ in samplers if seq.status is SequenceStatus.RUNNING]
+        logits_rows = [row for seq, row in samplers if seq.status is SequenceStatus.RUNNING]
+        sample = self._sample(logits, rows, logits_rows)
+        if timings is not None:
+            timings.phase("sample")
+        rows = [seq for seq in rows if seq.status is SequenceStatus.RUNNING]  # sampling may fail some alone
+        step_id = self._step_id
+        for row, seq in enumerate(rows):
+            seq.num_pending += 1
+            seq.sample_step, seq.sample_row = step_id, row
+        self.runner.last_sampled = sample.token_ids
+        launched = _LaunchedStep(step_id, rows, sample)
+        beams = [(seq, row) for seq, row in beams if seq.status is SequenceStatus.RUNNING]
+        if beams:
+            width = max(seq.request.beam_search.num_candidates for seq, _ in beams)
+            index = to_device([row for _, row in beams], torch.int64, logits.device)
+            launched.beams = [seq for seq, _ in beams]
+            launched.beam_top = HostCopy(list(self.runner.top_logprobs(logits[index], width)))
+        self._in_flight.append(launched)
+        return True
+
+    def _plan(self, sched: SchedulerOutput):
+        """The runner's StepPlan, and who samples from which logits row: (sequence, row)
+        pairs, beams' (sequence, row) pairs, and n > 1 parents that branch this step."""
+        bm = self.block_manager
+        rows: list[int] = []
+        starts: list[int] = []
+        token_ids: list[int] = []
+        pending: list[tuple[int, int]] = []
+        logits_of: list[int] = []
+        request_ids: list[int] = []
+        samplers: list[tuple[Sequence, int]] = []
+        beams: list[tuple[Sequence, int]] = []
+        forks: list[tuple[Sequence, int]] = []
+        now = time.time()
+        previous_step = self._step_id - 1
+        for i, (seq, num_new) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._out.scheduled.append((request.request_id, now, request.num_cached_tokens))
+            start = seq.num_computed_tokens
+            rows.append(bm.row(seq.uid))
+            starts.append(start)
+            request_ids.append(request.request_id)
+            known = seq.token_ids
+            end = start + num_new
+            if end <= len(known):
+                if num_new == 1:
+                    token_ids.append(known[start])
+                else:
+                    token_ids += known[start:end]
+            else:
+                # Only a decode reads a token still in flight: the one the last step sampled.
+                if num_new != 1 or seq.sample_step != previous_step:
+                    raise RuntimeError(f"sequence {seq.uid}: {num_new} new tokens past its known ones (a pagedq bug)")
+                pending.append((len(token_ids), seq.sample_row))
+                token_ids.append(0)
+            if end == len(known) + seq.num_pending:
+                logits_row = len(logits_of)
+                logits_of.append(i)
+                if request.beam_search is not None:
+                    beams.append((seq, logits_row))
+                else:
+                    samplers.append((seq, logits_row))
+                    if not request.branched and request.params.n > 1:
+                        forks.append((seq, logits_row))
+        plan = StepPlan(rows=rows, starts=starts, query_lens=list(sched.num_new_tokens), token_ids=token_ids,
+                        pending=pending, logits_of=logits_of, changed_rows=bm.take_changed_rows(),
+                        request_ids=request_ids)
+        return plan, samplers, beams, forks
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: when the prompt's last chunk is launched, the other n - 1
+        outputs branch off the first, sharing its blocks; all n draw their first token
+        from the same logits row."""
+        request = parent.request
+        request.branched = True
+        children = [self._new_sequence(request, index, parent) for index in range(1, request.params.n)]
+        request.seqs += children
+        self.scheduler.fork(parent, children)
+        return children
+
+    def _forward(self, sched: SchedulerOutput, plan: StepPlan) -> torch.Tensor:
+        """The step's forward. Should it throw, each request's sequences run again alone:
+        a request whose own forward throws fails, and the step goes on without it. When
+        every request fails alone too, the fault is not any one request's: it is raised."""
+        try:
+            return self.runner.forward(plan)
+        except Exception as exc:
+            groups: dict[int, list[int]] = {}
+            for i, request_id in enumerate(plan.request_ids):
+                groups.setdefault(request_id, []).append(i)
+            if len(groups) == 1:
+                raise
+            logger.warning("a step's forward failed (%r); running each of its %d requests alone", exc, len(groups))
+            wanted = {seq_index: row for row, seq_index in enumerate(plan.logits_of)}
+            rows: dict[int, torch.Tensor] = {}  # logits row -> its logits
+            failed: list[tuple[CoreRequest, Exception]] = []
+            for indices in groups.values():
+                try:
+                    block = self.runner.forward(plan.subset(indices))
+                except Exception as own:
+                    failed.append((sched.seqs[indices[0]].request, own))
+                    continue
+                rows.update(zip([wanted[i] for i in indices if i in wanted], block))
+            if len(failed) == len(groups):
+                raise
+            for request, own in failed:
+                self._fail_request(request, f"its forward pass failed: {own!r}", own)
+            # Rows of failed requests stay as zeros: nobody samples from them.
+            logits = torch.zeros((len(plan.logits_of), self.vocab_size), dtype=torch.float32, device=self.device)
+            for row, values in rows.items():
+                logits[row] = values
+            return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int]):
+        """Sampling on the device, row i from logits row `index[i]`. Should the batched
+        sampler throw, each request's rows are sampled alone (seeded rows from where their
+        generators stood), and a request that throws alone fails."""
+        if not rows:
+            return _HostSample(SamplerOutput([], [], []), self.device)
+        selected = logits if index == list(range(logits.shape[0])) else logits[to_device(index, torch.int64, logits.device)]
+        seeded = [(seq.generator, seq.generator.get_state()) for seq in rows if seq.generator is not None]
+        try:
+            return self.runner.sample(selected, rows)
+        except Exception as exc:
+            logger.warning("sampling %d rows failed (%r); sampling each request alone", len(rows), exc)
+        for generator, state in seeded:
+            generator.set_state(state)
+        by_request: dict[int, list[int]] = {}
+        for i, seq in enumerate(rows):
+            by_request.setdefault(seq.request.request_id, []).append(i)
+        merged = SamplerOutput([0] * len(rows), [None] * len(rows), [None] * len(rows))
+        for indices in by_request.values():
+            try:
+                alone = self.runner.sample(selected[indices], [rows[i] for i in indices]).to_host()
+            except Exception as own:
+                self._fail_request(rows[indices[0]].request, f"sampling failed: {own!r}", own)
+                continue
+            for j, i in enumerate(indices):
+                merged.token_ids[i], merged.logprobs[i], merged.top_logprobs[i] = (
+                    alone.token_ids[j], alone.logprobs[j], alone.top_logprobs[j]
+                )
+        return _HostSample(merged, self.device)
+
+    # --- collecting a step ----------------------------------------------------------------
+
+    def _collect(self, launched: _LaunchedStep) -> None:
+        timings = self.runner.step_timings
+        sampled = launched.sample.to_host()
+        if timings is not None:
+            timings.phase("sample")
+        out = self._out
+        vocab_size = self.vocab_size
+        counters = self.counters
+        touched: dict[int, CoreRequest] = {}
+        for row, (seq, token) in enumerate(zip(launched.rows, sampled.token_ids)):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # ended (or its request did) since this step was launched
+            request = seq.request
+            seq.num_pending -= 1
+            if not 0 <= token < vocab_size:
+                self._fail_request(request, f"sampling produced token id {token}, outside the vocabulary")
+                continue
+            seq.token_ids.append(token)
+            counters.generation_tokens += 1
+            out.request_ids.append(request.request_id)
+            out.seq_indexes.append(seq.index)
+            out.token_ids.append(token)
+            if request.wants_logprobs:
+                top = sampled.top_logprobs[row]
+                out.logprobs.append(
+                    (len(out.token_ids) - 1, sampled.logprobs[row], [(t, e.logprob, e.rank) for t, e in top.items()])
+                )
+            if len(seq.token_ids) - seq.num_prompt_tokens >= request.max_output_tokens:
+                self._finish(seq, "length", None)
+                touched[request.request_id] = request
+            elif token in request.stop_reasons:
+                self._finish(seq, "stop", request.stop_reasons[token])
+                touched[request.request_id] = request
+        if launched.beams:
+            values, ids = launched.beam_top.lists()
+            for seq, top_values, top_ids in zip(launched.beams, values, ids):
+                self._report_beam(seq, top_values, top_ids)
+        for request in touched.values():
+            self._retire_if_done(request)
+        if timings is not None:
+            timings.phase("update")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._out.finished.append((seq.request.request_id, seq.index, reason, stop_reason))
+
+    def _end_sequences(self, request: CoreRequest, reason: str) -> None:
+        request.finished = True
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+
+    def _fail_request(self, request: CoreRequest, error: str, exc: BaseException | None = None) -> None:
+        """Something this request caused threw: it ends now (its blocks freed) and the
+        front hears why; the other requests carry on."""
+        if request.error is not None or request.request_id not in self.requests:
+            return
+        logger.warning("request %s failed alone: %s", request.request_id, error, exc_info=exc)
+        request.error = error
+        self._end_sequences(request, "error")
+        del self.requests[request.request_id]
+        self.counters.requests_failed += 1
+        self._out.failed.append((request.request_id, error))
+
+    # --- beam search (its requests are synchronous: each round is seen on the host) -------
+
+    def _report_beam(self, seq: Sequence, top_values: list[float], top_ids: list[int]) -> None:
+        """A live beam hands in its most likely next tokens; a request whose every live
+        beam has reported moves to its next beams."""
+        request = seq.request
+        if seq.is_finished or request.error is not None:
+            return
+        search = request.beam_search
+        k = search.num_candidates
+        try:
+            if search.report(seq, seq.output_token_ids, seq.cumulative_logprob, list(zip(top_ids[:k], top_values[:k]))):
+                self._next_beams(request)
+        except Exception as exc:
+            self._fail_request(request, f"advancing its beams failed: {exc!r}", exc)
+
+    def _next_beams(self, request: CoreRequest) -> None:
+        """Branch the chosen beams off their parents and drop the old ones; when the search
+        is over, its best hypotheses go to the front and the request ends."""
+        search = request.beam_search
+        proposals = search.advance(self.max_model_len)
+        children = []
+        for index, proposal in enumerate(proposals):
+            child = self._new_sequence(request, index, proposal.parent)
+            self.scheduler.fork(proposal.parent, [child])
+            child.token_ids.append(proposal.token_id)
+            child.cumulative_logprob = proposal.cum_logprob
+            children.append(child)
+        for old in search.live:
+            # Usually parked in the running queue, but preemption may have moved it since it reported.
+            self.scheduler.finish(old)
+        self.counters.generation_tokens += len(children)
+        request.branched = True
+        request.seqs = search.live = children
+        if children:
+            return
+        best = [
+            BeamHypothesis(h.output_token_ids, h.cum_logprob, "stop" if h.ends_with_eos else "length")
+            for h in search.best()
+        ]
+        self._out.beams.append((request.request_id, best))
+        request.finished = True
+        del self.requests[request.request_id]
+        self.counters.requests_finished += 1
+
+    # --- observability ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        bm, sched, c = self.block_manager, self.scheduler, self.counters
+        return {
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_swapped": sched.num_swapped,
+            "num_total_blocks": bm.num_total_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.gpu.num_cached,
+            "num_swapped_blocks": bm.num_swapped_blocks,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_stats.queries,
+            "prefix_cache_hits": bm.prefix_stats.hits,
+            "num_preemptions_recompute": sched.preemptions.recompute,
+            "num_preemptions_swap": sched.preemptions.swap,
+            "prompt_tokens_computed": c.prompt_tokens_computed,
+            "tokens_computed": c.tokens_computed,
+            "generation_tokens": c.generation_tokens,
+            "requests_finished": c.requests_finished,
+            "requests_aborted": c.requests_aborted,
+            "requests_failed": c.requests_failed,
+            "steps": c.steps,
+        }

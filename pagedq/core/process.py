@@ -1,0 +1,111 @@
+"""The engine core in a process of its own (pagedq.front.core_client.ProcessCoreClient).
+
+Started as `python -m pagedq.core.process` (never by re-importing the caller's main
+module, as multiprocessing's spawn would), its settings as JSON on stdin. The first
+message it sends is JSON: ready (with the core's CoreInfo and stats) or why it could not
+start.
+
+The loop: take every message waiting on the input socket (requests, aborts, stops); step
+whenever there is work, sending each step's outputs (with the core's stats) back; block
+on the input socket when idle. A step that raises drops every request and tells the
+front, which raises. The process leaves when told, or when its parent is gone; it
+ignores SIGINT and SIGTERM, which are its parent's to act on (a worker draining after
+SIGTERM still needs its engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+
+def run_core_process(settings: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("PAGEDQ_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    import msgspec
+    import torch
+    import zmq
+
+    from pagedq.config import EngineArgs
+    from pagedq.core import messages
+    from pagedq.core.engine_core import EngineCore
+
+    torch.set_num_threads(settings["torch_threads"])
+    parent_pid = settings["parent_pid"]
+    context = zmq.Context()
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(settings["outputs_address"])
+    try:
+        core = EngineCore(EngineArgs(**settings["engine_args"]), set(settings["eos_token_ids"]))
+    except Exception as exc:
+        outputs.send(msgspec.json.encode({"error": [type(exc).__name__, str(exc)]}))
+        context.destroy(linger=5000)
+        return
+    outputs.send(msgspec.json.encode({"info": msgspec.to_builtins(core.info()), "stats": core.stats()}))
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(settings["inputs_address"])
+    encoder, decoder = messages.encoder(), messages.input_decoder()
+    logger = logging.getLogger(__name__)
+    try:
+        while True:
+            if not core.has_work():
+                while not inputs.poll(1000):
+                    if os.getppid() != parent_pid:
+                        return
+            changed = False
+            while True:
+                try:
+                    frame = inputs.recv(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                message = decoder.decode(frame.buffer)
+                if isinstance(message, messages.Shutdown):
+                    return
+                changed |= _handle(core, message)
+            out = None
+            if core.has_work() or changed:
+                try:
+                    out = core.step()
+                except Exception as exc:
+                    logger.exception("an engine step failed; every request was dropped")
+                    out = messages.CoreOutputs(error=repr(exc))
+            if out is not None and (out.request_ids or out.finished or out.failed or out.beams or out.scheduled
+                                    or out.error is not None) or changed:
+                out = out or messages.CoreOutputs()
+                out.stats = core.stats()
+                outputs.send(encoder.encode(out), copy=False)
+    finally:
+        context.destroy(linger=0)
+
+
+def _handle(core, message) -> bool:
+    """Apply one message; True when the front should hear of it even if no step runs
+    (freed blocks its stats should show, a refused request)."""
+    from pagedq.core import messages
+
+    if isinstance(message, messages.AddRequest):
+        try:
+            core.add_request(message)
+        except Exception as exc:  # the front validated it: this request's fault alone, whatever it is
+            core.report_failure(message.request_id, f"the engine core refused it: {exc!r}")
+            return True
+        return False
+    if isinstance(message, messages.Abort):
+        core.abort_requests(message.request_ids)
+        return True
+    if isinstance(message, messages.StopSequences):
+        core.stop_sequences(message.sequences)
+        return True
+    if isinstance(message, messages.SetEosTokenIds):
+        core.eos_token_ids = set(message.token_ids)
+    return False
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    run_core_process(json.loads(sys.stdin.read()))

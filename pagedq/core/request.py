@@ -1,0 +1,166 @@
+"""A request's state inside the engine core, from `add` to its last token.
+
+A `CoreRequest` is one prompt with one SamplingParams (or beam search). It owns one
+`Sequence` per output (``n`` of them for parallel sampling, one per live beam). The
+prompt is prefilled once, by the first sequence; the others branch off it when the step
+that completes the prompt is scheduled, sharing its KV blocks copy-on-write.
+
+Tokens in flight. With overlapped steps the core schedules step N+1 before it knows the
+tokens step N sampled: a sequence sampled in step N carries one *pending* token, counted
+in `num_tokens` (so step N+1 computes its position, fed from the device) but not yet in
+`token_ids` (which holds the tokens the host knows). The pending token becomes known when
+step N is collected.
+
+Nothing here knows about text: detokenization and stop strings belong to the front.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from typing import Any
+
+from pagedq.beam_search import BeamSearch
+from pagedq.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+_sequence_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks moved to CPU memory
+    FINISHED = "finished"
+
+
+class CoreRequest:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
+        "num_cached_tokens", "beam_search", "branched", "finished", "error", "first_scheduled_time",
+        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "is_greedy", "has_penalties",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float,
+        priority: int,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        beam_search: BeamSearch | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        # Breaks priority ties first come first served; survives preemption.
+        self.arrival_index = next(_arrival_counter)
+        self.seqs: list[Sequence] = []
+        # Prompt tokens found in the prefix cache when the first sequence was admitted.
+        self.num_cached_tokens = 0
+        self.beam_search = beam_search
+        # Whether the other outputs (or beams) have branched off the first sequence; until
+        # then it holds scheduler slots for all of them.
+        self.branched = False
+        self.finished = False
+        self.error: str | None = None
+        self.first_scheduled_time: float | None = None
+        self.has_penalties = (
+            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        )
+        # Needs its last token on the host before its next step: beam search picks the next
+        # beams there, and penalties count output tokens there. Such a request sits out
+        # the step after each of its steps (see EngineCore); every other request runs ahead.
+        self.sync = beam_search is not None or self.has_penalties
+        self.is_greedy = params.is_greedy
+        self.wants_logprobs = params.logprobs is not None
+        # The length limit (vLLM checks it first): max_tokens, or the context's end.
+        limit = params.max_tokens if params.max_tokens is not None else math.inf
+        self.max_output_tokens = int(min(limit, max_model_len - len(prompt_token_ids)))
+        # Token id -> the stop_reason it finishes with: stop_token_ids name themselves, eos
+        # (unless ignored) is None; eos wins where an id is both, as in vLLM V1's check.
+        reasons: dict[int, int | None] = {t: t for t in params.stop_token_ids or ()}
+        if not params.ignore_eos:
+            reasons.update((t, None) for t in eos_token_ids)
+        self.stop_reasons = reasons
+
+    @property
+    def width(self) -> int:
+        """How many sequences the request runs at once after branching."""
+        return self.beam_search.params.beam_width if self.beam_search is not None else self.params.n
+
+
+class Sequence:
+    __slots__ = (
+        "request", "index", "uid", "token_ids", "num_prompt_tokens", "num_pending", "num_computed_tokens",
+        "status", "finish_reason", "stop_reason", "cumulative_logprob", "generator", "num_preemptions",
+        "sort_key", "sample_step", "sample_row",
+    )
+
+    def __init__(self, request: CoreRequest, index: int, token_ids: list[int]):
+        self.request = request
+        # 0..n-1: which of the request's outputs this is.
+        self.index = index
+        # The block manager's key: unique inside the engine (a beam differs from the one it replaced).
+        self.uid = next(_sequence_counter)
+        # Prompt then the outputs the host knows.
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        # Sampled by a step in flight, not yet known on the host (0 or 1).
+        self.num_pending = 0
+        # Positions whose KV is in the cache or being written by a step in flight.
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | None = None
+        # Beams rank by it; kept for beams only (the front sums logprobs for the others).
+        self.cumulative_logprob = 0.0
+        # Set when params.seed is not None: the sequence's own random stream.
+        self.generator: Any = None
+        self.num_preemptions = 0
+        # Lower runs first: smaller priority value, then earlier arrival (vLLM's convention).
+        self.sort_key = (request.priority, request.arrival_index, index)
+        # The step that last sampled for this sequence, and its row there: a pending token
+        # is read from that step's sampled ids on the device.
+        self.sample_step = -1
+        self.sample_row = -1
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs so far, the one in flight included."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def at_length_limit(self) -> bool:
+        """Its last allowed token is sampled (maybe still in flight): nothing more to schedule."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending >= self.request.max_output_tokens

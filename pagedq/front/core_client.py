@@ -1,0 +1,201 @@
+"""How the front reaches the engine core: one interface, two places the core can run.
+
+`InprocCoreClient`: the core lives in this process and each `get_outputs()` runs one of
+its steps; nothing is copied or encoded.
+
+`ProcessCoreClient`: the core runs in a process of its own (pagedq.core.process), as
+vLLM V1's EngineCore does: requests go to it and step outputs come back over ZeroMQ
+sockets as msgpack (msgspec); the core steps whenever it has work, so the front's output
+processing (detokenization, stop strings, outputs) runs beside the core's steps instead
+of between them, and never shares a GIL with it. A core process that dies raises
+`EngineDeadError` in the front, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Protocol
+
+from pagedq.config import EngineArgs
+from pagedq.core.messages import Abort, AddRequest, CoreInfo, CoreOutputs, SetEosTokenIds, Shutdown, StopSequences
+
+# How long one wait for the core process lasts before its liveness is checked again.
+_POLL_MS = 200
+# How long the core process may take to load the model and size its cache.
+_STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core's process is gone; its requests are lost to this front."""
+
+
+class CoreClient(Protocol):
+    info: CoreInfo
+
+    def add_request(self, request: AddRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[int]) -> None: ...
+
+    def stop_sequences(self, sequences: list[tuple[int, int]]) -> None: ...
+
+    def set_eos_token_ids(self, token_ids: set[int]) -> None: ...
+
+    def get_outputs(self, wait: bool) -> list[CoreOutputs]:
+        """Outputs of steps run since the last call; with `wait`, at least one step's
+        (the core has work whenever the front has unfinished requests)."""
+
+    def stats(self) -> dict: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InprocCoreClient:
+    def __init__(self, args: EngineArgs, eos_token_ids: set[int]):
+        from pagedq.core.engine_core import EngineCore
+
+        self.core = EngineCore(args, eos_token_ids)
+        self.info = self.core.info()
+
+    def add_request(self, request: AddRequest) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[int]) -> None:
+        self.core.abort_requests(request_ids)
+
+    def stop_sequences(self, sequences: list[tuple[int, int]]) -> None:
+        self.core.stop_sequences(sequences)
+
+    def set_eos_token_ids(self, token_ids: set[int]) -> None:
+        self.core.eos_token_ids = token_ids
+
+    def get_outputs(self, wait: bool) -> list[CoreOutputs]:
+        if not self.core.has_work():
+            return []
+        return [self.core.step()]
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ProcessCoreClient:
+    def __init__(self, args: EngineArgs, eos_token_ids: set[int]):
+        import torch
+        import zmq
+
+        from pagedq.core import messages
+
+        self._encoder = messages.encoder()
+        self._decoder = messages.outputs_decoder()
+        self._context = zmq.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="pagedq-core-")
+        inputs_address = f"ipc://{os.path.join(self._socket_dir, 'in')}"
+        outputs_address = f"ipc://{os.path.join(self._socket_dir, 'out')}"
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.bind(inputs_address)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.bind(outputs_address)
+        settings = {
+            "engine_args": dataclasses.asdict(args), "eos_token_ids": sorted(eos_token_ids),
+            "inputs_address": inputs_address, "outputs_address": outputs_address, "parent_pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+        }
+        self._process = subprocess.Popen([sys.executable, "-m", "pagedq.core.process"], stdin=subprocess.PIPE)
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._inputs, self._context, self._socket_dir,
+                                           self._encoder.encode(Shutdown()))
+        self._process.stdin.write(json.dumps(settings).encode())
+        self._process.stdin.close()
+        self.info, self._stats = self._wait_until_ready()
+
+    def _wait_until_ready(self) -> tuple[CoreInfo, dict]:
+        import msgspec
+
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._outputs.poll(_POLL_MS):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.shutdown()
+                raise EngineDeadError(
+                    f"the engine core process did not start (exit code {self._process.returncode})"
+                )
+        ready = msgspec.json.decode(self._outputs.recv())
+        if "error" in ready:
+            self.shutdown()
+            error_type, message = ready["error"]
+            # A bad model path or setting is the caller's ValueError, as it is in process.
+            raise (ValueError if error_type == "ValueError" else RuntimeError)(message)
+        return msgspec.convert(ready["info"], CoreInfo), ready["stats"]
+
+    def _send(self, message) -> None:
+        self._inputs.send(self._encoder.encode(message), copy=False)
+
+    def add_request(self, request: AddRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[int]) -> None:
+        if request_ids:
+            self._send(Abort(request_ids))
+
+    def stop_sequences(self, sequences: list[tuple[int, int]]) -> None:
+        if sequences:
+            self._send(StopSequences(sequences))
+
+    def set_eos_token_ids(self, token_ids: set[int]) -> None:
+        self._send(SetEosTokenIds(sorted(token_ids)))
+
+    def get_outputs(self, wait: bool) -> list[CoreOutputs]:
+        import zmq
+
+        received = []
+        while True:
+            try:
+                frame = self._outputs.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if received or not wait:
+                    return received
+                if not self._outputs.poll(_POLL_MS) and self._process.poll() is not None:
+                    raise EngineDeadError(f"the engine core process died (exit code {self._process.returncode})")
+                continue
+            outputs = self._decoder.decode(frame.buffer)
+            if outputs.stats is not None:
+                self._stats = outputs.stats
+            if outputs.error is not None:
+                raise RuntimeError(f"the engine core's step failed: {outputs.error}")
+            received.append(outputs)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _stop(process: subprocess.Popen, inputs, context, socket_dir: str, shutdown_message: bytes) -> None:
+    import zmq
+
+    try:
+        inputs.send(shutdown_message, flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+    context.destroy(linger=0)
+    shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def make_core_client(args: EngineArgs, eos_token_ids: set[int]) -> CoreClient:
+    if args.core_process:
+        return ProcessCoreClient(args, eos_token_ids)
+    return InprocCoreClient(args, eos_token_ids)

@@ -1,0 +1,83 @@
+"""The engine core in a process of its own (`core_process=True`): the same outputs as in
+process, token for token and text for text, over its sockets; aborts free its blocks; a
+core process that dies is an error in the front within seconds, never a hang; one that
+cannot start says why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pagedq import LLM, SamplingParams
+from pagedq.front.core_client import EngineDeadError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+def mixed_batch():
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, "the quick brown fox", {"prompt_token_ids": list(range(40, 75))}, "hi"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.7, seed=11, max_tokens=20, ignore_eos=True, stop=["a"]),
+        SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def summary(outputs):
+    return [
+        [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+          None if c.logprobs is None else [{t: round(e.logprob, 4) for t, e in entry.items()} for entry in c.logprobs])
+         for c in o.outputs]
+        for o in outputs
+    ]
+
+
+def test_a_core_process_gives_what_the_core_in_process_gives(model):
+    prompts, params = mixed_batch()
+    expected = summary(LLM(model, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False))
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True, async_scheduling=True)
+    try:
+        assert llm.llm_engine.engine_core is None
+        assert summary(llm.generate(prompts, params, use_tqdm=False)) == expected
+        # Aborts reach the core: every block comes back.
+        engine = llm.llm_engine
+        engine.add_request("long", {"prompt_token_ids": [9] * 30}, SamplingParams(max_tokens=200, ignore_eos=True))
+        while engine.stats()["num_running"] == 0:
+            engine.step()
+        engine.abort_request("long")
+        assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+        deadline = time.monotonic() + 10
+        while engine.stats()["num_free_blocks"] != engine.stats()["num_total_blocks"] and time.monotonic() < deadline:
+            engine.core.get_outputs(wait=False)
+            time.sleep(0.05)
+        assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+    finally:
+        llm.llm_engine.shutdown()
+    assert llm.llm_engine.core._process.poll() is not None
+
+
+def test_a_core_process_that_dies_is_an_error_not_a_hang(model):
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True)
+    engine = llm.llm_engine
+    engine.add_request("doomed", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=1000, ignore_eos=True))
+    os.kill(engine.core._process.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="died"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 10
+
+
+def test_a_core_process_that_cannot_start_says_why(tmp_path, model):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model, dtype="float32", device="cpu", core_process=True, max_model_len=10**9)

@@ -1,0 +1,295 @@
+"""Turns one step's logits into one token per row, on the device, with vLLM's sampling semantics.
+
+Order of operations (as in vLLM): logprobs from the raw logits; then logits processors
+that change which token wins (min_tokens masking, repetition / frequency / presence
+penalties); greedy rows take the argmax there, so greedy equals Hugging Face's
+`generate`; sampled rows go on through temperature, min-p (on the tempered distribution,
+before truncation: vLLM V1 runs it as an argmax-invariant logits processor ahead of its
+top-k/top-p sampler), top-k and top-p, and draw by
+inverse CDF: one uniform number per row, looked up in the row's cumulative
+probabilities. A seeded row takes its number from its own generator, so it samples the
+same tokens alone or in any batch. (vLLM's exponential race needs a random number per
+vocabulary entry; on a CPU drawing those cost more than the model's matmuls.) Every
+stage runs batched over the rows that need it and is skipped when none do.
+
+`sample()` only queues device work and returns a `DeviceSample`: the step's token ids
+(and logprobs, for the rows that ask) stay on the device, where the next step reads its
+input tokens from them; `DeviceSample.start_copy()` queues their one copy to the host,
+and `to_host()` waits for it, a step later when steps overlap. No per-row `.item()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagedq.outputs import Logprob
+from pagedq.sampling_params import SamplingParams
+from worker.host_copy import HostCopy, to_device
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a row (the engine core's Sequence matches by duck typing)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    # The outputs so far, for penalties (the engine samples penalised rows only once the
+    # host knows every one of their tokens).
+    output_token_ids: list[int]
+    # How many outputs exist, including one still in flight (for min_tokens).
+    num_output_tokens: int
+    # Set when params.seed is not None: the row's own random stream, on the logits' device.
+    generator: torch.Generator | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Logprob of each sampled token under the raw model distribution (for
+    # cumulative_logprob), for rows that asked for logprobs; None for the others.
+    logprobs: list[float | None]
+    # Per row when params.logprobs is not None: the top-`logprobs` tokens plus the sampled one.
+    top_logprobs: list[dict[int, Logprob] | None]
+
+
+class DeviceSample:
+    """A step's sampling results on the device, and their way to the host."""
+
+    def __init__(self, token_ids: torch.Tensor, num_rows: int, logprob_rows: list[int], logprob_counts: list[int],
+                 logprob_tensors: tuple[torch.Tensor, ...] | None):
+        self.token_ids = token_ids  # int64 [rows], on the device
+        self.num_rows = num_rows
+        self._logprob_rows = logprob_rows
+        self._logprob_counts = logprob_counts
+        # (sampled logprob [L], top values [L, K], top ids [L, K], rank of the sampled token [L])
+        self._logprob_tensors = logprob_tensors
+        self._copy: HostCopy | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy to the host behind the sampling work; `to_host()` then waits for it alone."""
+        self._copy = HostCopy([self.token_ids, *(self._logprob_tensors or ())])
+
+    def to_host(self) -> SamplerOutput:
+        if self._copy is None:
+            self.start_copy()
+        token_ids, *logprob_lists = self._copy.lists()
+        logprobs: list[float | None] = [None] * self.num_rows
+        top_logprobs: list[dict[int, Logprob] | None] = [None] * self.num_rows
+        if self._logprob_rows:
+            sampled, top_values, top_ids, ranks = logprob_lists
+            for j, i in enumerate(self._logprob_rows):
+                k = self._logprob_counts[j]
+                entry = {
+                    token: Logprob(logprob=value, rank=rank + 1)
+                    for rank, (token, value) in enumerate(zip(top_ids[j][:k], top_values[j][:k]))
+                }
+                entry.setdefault(token_ids[i], Logprob(logprob=sampled[j], rank=ranks[j]))
+                logprobs[i], top_logprobs[i] = sampled[j], entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+class Sampler:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        # Noise for unseeded rows; None uses torch's default generator of the logits' device.
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}"
+            )
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
+        # Columns past the tokenizer's vocabulary (padded embeddings) are never sampled.
+        raw = logits[:, : self.vocab_size].float()
+
+        # One pass over the rows sorts them into the stages they need.
+        sampled_rows: list[int] = []
+        penalised: list[int] = []
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        wanted: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.temperature >= _GREEDY_EPS:
+                sampled_rows.append(i)
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                penalised.append(i)
+            if p.min_tokens and row.num_output_tokens < p.min_tokens:
+                banned = self._stop_ids(p)
+                banned_rows += [i] * len(banned)
+                banned_tokens += banned
+            if p.logprobs is not None:
+                wanted.append(i)
+
+        processed = raw
+        if banned_rows:
+            processed = _ban(processed, banned_rows, banned_tokens)
+        if penalised:
+            processed = _apply_penalties(processed, [rows[i] for i in penalised], penalised)
+        token_ids = self._choose_tokens(processed, rows, sampled_rows)
+
+        # Normalised only for rows that asked for logprobs: as in vLLM V1, the others get
+        # no cumulative_logprob, and a logsumexp over the vocabulary of every row cost 3%
+        # of a greedy 56M run on the CPU.
+        logprob_tensors = None
+        counts: list[int] = []
+        if wanted:
+            index = to_device(wanted, torch.int64, raw.device) if len(wanted) < len(rows) else None
+            wanted_raw = raw if index is None else raw[index]
+            chosen = token_ids if index is None else token_ids[index]
+            counts = [rows[i].params.logprobs for i in wanted]
+            logprob_tensors = _logprob_tensors(wanted_raw, chosen, max(counts))
+        return DeviceSample(token_ids, len(rows), wanted, counts, logprob_tensors)
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        """What min_tokens holds back: the request's stop_token_ids and eos, even with
+        ignore_eos (vLLM V1 counts eos among every request's `all_stop_token_ids`, which
+        its min-tokens processor masks)."""
+        return [t for t in set(params.stop_token_ids or ()) | self.eos_token_ids if 0 <= t < self.vocab_size]
+
+    def _choose_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow], sampled_rows: list[int]) -> torch.Tensor:
+        if not sampled_rows:
+            return logits.argmax(dim=-1)
+        sampled = [rows[i] for i in sampled_rows]
+        if len(sampled_rows) == len(rows):
+            return self._sample(logits, sampled)
+        token_ids = logits.argmax(dim=-1)
+        index = to_device(sampled_rows, torch.int64, logits.device)
+        token_ids[index] = self._sample(logits[index], sampled)
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        params = [row.params for row in rows]
+        device = logits.device
+        logits = logits / to_device([p.temperature for p in params], torch.float32, device)[:, None]
+        if any(p.min_p > 0.0 for p in params):
+            _apply_min_p(logits, to_device([p.min_p for p in params], torch.float32, device))
+        if any(p.top_k > 0 for p in params):
+            top_k = [p.effective_top_k for p in params]
+            _apply_top_k(logits, to_device(top_k, torch.int64, device), top_k)
+        if any(p.top_p < 1.0 for p in params):
+            _apply_top_p(logits, to_device([p.top_p for p in params], torch.float32, device))
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        # The first token whose cumulative probability passes u * total. A masked token adds
+        # nothing to the sum, so no u can land on it; u < 1 keeps the target below the total.
+        target = torch.minimum(self._uniforms(rows, logits.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) number per row; a seeded row's comes from its own generator."""
+        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+        if not seeded:
+            return torch.rand(len(rows), generator=self.generator, device=device)
+        u = torch.empty(len(rows), device=device)
+        if len(seeded) < len(rows):
+            unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+            u[to_device(unseeded, torch.int64, device)] = torch.rand(len(unseeded), generator=self.generator, device=device)
+        for i in seeded:
+            u[i] = torch.rand(1, generator=rows[i].generator, device=device)[0]
+        return u
+
+
+# Sampling with a temperature below this is deterministic argmax (SamplingParams.is_greedy).
+_GREEDY_EPS = 1e-5
+
+
+def _ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    device = logits.device
+    indices = (to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device))
+    return logits.index_put(indices, torch.full((), float("-inf"), device=device))
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> torch.Tensor:
+    """HF/vLLM repetition penalty over prompt and output tokens (positive logits divided,
+    negative multiplied), then frequency and presence penalties over output tokens, for
+    the rows at `penalised` (`rows` are those rows)."""
+    device, vocab_size = logits.device, logits.shape[1]
+    params = [row.params for row in rows]
+    index = to_device(penalised, torch.int64, device)
+    sub = logits[index]
+    output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_counts = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device)
+        seen = (output_counts > 0) | (prompt_counts > 0)
+        penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
+        penalty = torch.where(seen, penalty, 1.0)
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
+    sub = sub - frequency * output_counts - presence * (output_counts > 0)
+    return logits.index_put((index,), sub)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id in each list."""
+    # Checked on the host, before an out-of-range id could become a device-side assert.
+    if any(t and (min(t) < 0 or max(t) >= vocab_size) for t in token_lists):
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for penalties")
+    width = max((len(t) for t in token_lists), default=0)
+    # Pad with an extra column's id so padding lands in a column that is dropped.
+    padded = to_device([t + [vocab_size] * (width - len(t)) for t in token_lists], torch.int64, device)
+    padded = padded.reshape(len(token_lists), width)
+    counts = torch.zeros((len(token_lists), vocab_size + 1), device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab_size]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, host_top_k: list[int]) -> None:
+    """Keep each row's top_k highest logits (ties with the k-th kept); 0 keeps all.
+    `host_top_k` is top_k as a host list: the width of the topk comes from it (reading it
+    from the device would wait for the device)."""
+    vocab_size = logits.shape[1]
+    top_k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    width = vocab_size if 0 in host_top_k else min(max(host_top_k), vocab_size)
+    top_values = logits.topk(width, dim=-1).values
+    kth_value = top_values.gather(1, (top_k - 1)[:, None])
+    logits.masked_fill_(logits < kth_value, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # Rows with top_p == 1 keep everything, even when rounding pushes the sum past 1.
+    remove = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # The most likely token always stays (as vLLM's): a top_p below float32's smallest
+    # value rounds to 0 and would otherwise remove every token.
+    remove[:, 0] = False
+    logits.masked_fill_(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens less likely than min_p times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _logprob_tensors(logits: torch.Tensor, chosen: torch.Tensor, max_k: int) -> tuple[torch.Tensor, ...]:
+    """Per row (every row asked for logprobs), on the device: the sampled token's logprob,
+    the top-`max_k` logprobs and their ids, and the sampled token's rank (vLLM's: 1 + the
+    number of tokens strictly more likely)."""
+    normalizer = torch.logsumexp(logits, dim=-1)[:, None]
+    chosen_logit = logits.gather(1, chosen[:, None])
+    ranks = (logits > chosen_logit).sum(dim=-1) + 1
+    top_values, top_ids = logits.topk(max_k, dim=-1)
+    return (chosen_logit.squeeze(1) - normalizer.squeeze(1)), top_values - normalizer, top_ids, ranks
