@@ -81,6 +81,9 @@ class BlockManager:
         self._num_rows = 0
         # Row -> its sequence's table, for rows changed since take_changed_rows().
         self._changed: dict[int, list[Block]] = {}
+        # Per sequence, the position up to which its table's blocks are allocated, private
+        # and uncached: a write below it needs nothing (the scheduler's decode fast path).
+        self.writable: dict[SeqId, int] = {}
 
     # --- queries ----------------------------------------------------------------------
 
@@ -120,6 +123,12 @@ class BlockManager:
     def row(self, seq_id: SeqId) -> int:
         return self._rows[seq_id]
 
+    @property
+    def rows(self) -> dict[SeqId, int]:
+        """Every table's row by sequence (read it, never change it): one lookup per
+        scheduled sequence and step, without a call."""
+        return self._rows
+
     def take_changed_rows(self) -> list[tuple[int, list[int]]]:
         """(row, block ids) of every table that changed since the last call."""
         changed, self._changed = self._changed, {}
@@ -136,6 +145,7 @@ class BlockManager:
         self._changed[row] = table
 
     def _close_table(self, seq_id: SeqId) -> list[Block]:
+        self.writable.pop(seq_id, None)
         table = self._tables.pop(seq_id, [])
         row = self._rows.pop(seq_id, None)
         if row is not None:
@@ -245,6 +255,9 @@ class BlockManager:
             changed = True
         if changed:
             self._changed[self._rows[seq_id]] = table
+        # Every block from write_from's on is now private; the last one is never full (or
+        # cached) while writes reach into it.
+        self.writable[seq_id] = len(table) * self.block_size
         return copies
 
     def cache_full_blocks(self, seq_id: SeqId, token_ids: list[int], num_computed_tokens: int) -> None:
@@ -273,6 +286,8 @@ class BlockManager:
             self.gpu.incref(block)
         self._open_table(child_id, list(table))
         self._keys[child_id] = list(self._keys[parent_id])
+        # Both now share every block: their next writes copy first.
+        self.writable.pop(parent_id, None)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop every reference of `seq_id`, device and swapped (a no-op for an unknown id).
@@ -342,4 +357,10 @@ class BlockManager:
                 )
         rows = sorted(self._rows.values())
         assert set(self._rows) == set(self._tables), "every device table holds a row, and only those"
+        for seq_id, end in self.writable.items():
+            table = self._tables[seq_id]
+            # (Which blocks a write can still reach depends on the sequence's position, which
+            # only the engine knows: blocks below it may be shared, the one it writes never
+            # is; a fork, which shares that one, ends the sequence's entry.)
+            assert end == len(table) * self.block_size, f"{seq_id}: writable past its table"
         assert len(set(rows)) == len(rows) and not set(rows) & set(self._free_rows), "a row has two owners"

@@ -10,7 +10,7 @@ block at the head of the queue (least recently freed) and evicts it from the cac
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -23,10 +23,12 @@ class BlockKey:
 
     parent_hash: int | None
     token_ids: tuple[int, ...]
+    # Computed once: a key is hashed when cached, looked up, evicted and as the next
+    # block's parent.
+    hash: int = field(init=False, compare=False)
 
-    @property
-    def hash(self) -> int:
-        return hash((self.parent_hash, self.token_ids))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hash", hash((self.parent_hash, self.token_ids)))
 
 
 @dataclass(eq=False)

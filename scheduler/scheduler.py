@@ -54,6 +54,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences admitted from the waiting queue this step (a preempted one may come again).
+    admitted: list[Sequence] = field(default_factory=list)
     # Device work to do before the forward pass, in this order (see BlockManager).
     swap_out: BlockCopies = field(default_factory=list)  # (device block, CPU block)
     block_copies: BlockCopies = field(default_factory=list)  # copy-on-write (source, destination)
@@ -160,6 +162,7 @@ class Scheduler:
             self.running.sort(key=_sort_key)
             self._running_sorted = True
         bm = self.block_manager
+        writable = bm.writable
         running = self.running
         seqs, num_new = out.seqs, out.num_new_tokens
 
@@ -171,6 +174,13 @@ class Scheduler:
             if computed == total or (seq.num_pending and (seq.request.sync or seq.at_length_limit)):
                 # A beam waiting for the rest of its group; or its token in flight must be
                 # seen first; or that token is its last.
+                i += 1
+                continue
+            if total - computed == 1 and computed < writable.get(seq.uid, 0):
+                # A decode inside blocks it owns alone: nothing to allocate or copy.
+                seqs.append(seq)
+                num_new.append(1)
+                budget -= 1
                 i += 1
                 continue
             target = computed + min(total - computed, budget)
@@ -245,6 +255,7 @@ class Scheduler:
             seq.num_computed_tokens = hit.num_tokens
             self._run(seq)
             slots += self._slots(seq)
+            out.admitted.append(seq)
             out._add(seq, target - hit.num_tokens)
             budget -= target - hit.num_tokens
 

@@ -60,10 +60,9 @@ def sampled_requests(logits, rows):
     return [seq.request for seq in rows]
 
 
-def planned_requests(engine):
+def planned_requests(plan):
     """The requests of a forward's StepPlan."""
-    core = engine.engine_core
-    return lambda plan: [core.requests[rid] for rid in plan.request_ids if rid in core.requests]
+    return [seq.request for seq in plan.owners]
 
 
 def run_with_poison(llm, poison_params=GREEDY):
@@ -105,7 +104,7 @@ def test_a_sampling_fault_fails_only_its_request(llm, alone, monkeypatch):
 
 def test_a_forward_fault_fails_only_its_request(llm, alone, monkeypatch):
     engine = llm.llm_engine
-    poisoned = Poisoned(engine.runner.forward, planned_requests(engine))
+    poisoned = Poisoned(engine.runner.forward, planned_requests)
     monkeypatch.setattr(engine.runner, "forward", poisoned)
     finished = run_with_poison(llm)
     assert_only_the_poison_failed(llm, finished, alone, "forward pass failed")

@@ -34,37 +34,40 @@ class StepPlan:
     starts: list[int]  # the position of its first new token
     query_lens: list[int]  # how many new tokens it computes
     # The new tokens back to back; a token not yet known on the host (sampled by the step
-    # before, still on the device) holds 0 here and is named in `pending`.
+    # before, still on the device) holds 0 here, at an index of `pending_at`, and is read
+    # from row `pending_from` (the same position) of the previous step's sampled ids.
     token_ids: list[int]
-    # (index into token_ids, row of that token in the previous step's sampled ids)
-    pending: list[tuple[int, int]]
+    pending_at: list[int]
+    pending_from: list[int]
     # Scheduled sequences (indices into rows) whose last token's logits are wanted.
     logits_of: list[int]
     # Table rows changed since the last step: (row, block ids).
     changed_rows: list[tuple[int, list[int]]]
-    # Whose each scheduled sequence is (the engine core's request ids): what a failure is
-    # traced back to.
-    request_ids: list[int]
+    # Whose each scheduled sequence is (the engine core's sequences; the device side never
+    # reads them): what a failure is traced back to.
+    owners: list
 
     def subset(self, indices: list[int]) -> StepPlan:
         """The plan of the scheduled sequences at `indices` (increasing) alone."""
         firsts = [0]
         for length in self.query_lens:
             firsts.append(firsts[-1] + length)
-        pending = dict(self.pending)
+        pending = dict(zip(self.pending_at, self.pending_from))
         token_ids: list[int] = []
-        sub_pending: list[tuple[int, int]] = []
+        pending_at: list[int] = []
+        pending_from: list[int] = []
         for i in indices:
             for t in range(firsts[i], firsts[i + 1]):
                 if t in pending:
-                    sub_pending.append((len(token_ids), pending[t]))
+                    pending_at.append(len(token_ids))
+                    pending_from.append(pending[t])
                 token_ids.append(self.token_ids[t])
         position = {i: j for j, i in enumerate(indices)}
         return StepPlan(
             rows=[self.rows[i] for i in indices], starts=[self.starts[i] for i in indices],
-            query_lens=[self.query_lens[i] for i in indices], token_ids=token_ids, pending=sub_pending,
-            logits_of=[position[i] for i in self.logits_of if i in position],
-            changed_rows=self.changed_rows, request_ids=[self.request_ids[i] for i in indices],
+            query_lens=[self.query_lens[i] for i in indices], token_ids=token_ids, pending_at=pending_at,
+            pending_from=pending_from, logits_of=[position[i] for i in self.logits_of if i in position],
+            changed_rows=self.changed_rows, owners=[self.owners[i] for i in indices],
         )
 
 
@@ -108,10 +111,11 @@ class InputBatch:
         token_ids = np.asarray(plan.token_ids, dtype=np.int64)
         num_tokens = len(token_ids)
         if num_tokens == num_seqs:  # decode only: one token per sequence
-            q_lens = np.ones(num_seqs, dtype=np.int64)
+            q_lens = 1
             positions = starts
-            seq_of_token = np.arange(num_seqs)
+            token_rows = rows
             query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
+            logits_indices = np.asarray(plan.logits_of, dtype=np.int64)
             max_query_len = 1
         else:
             q_lens = np.asarray(plan.query_lens, dtype=np.int64)
@@ -119,15 +123,15 @@ class InputBatch:
             np.cumsum(q_lens, out=query_start_loc[1:])
             seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
             positions = np.arange(num_tokens) - query_start_loc[seq_of_token] + starts[seq_of_token]
+            token_rows = rows[seq_of_token]
+            logits_indices = query_start_loc[1:][np.asarray(plan.logits_of, dtype=np.int64)] - 1
             max_query_len = int(q_lens.max())
         seq_lens = starts + q_lens
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
-        slots = self._tables_host[rows[seq_of_token], positions // bs].astype(np.int64) * bs + positions % bs
-        logits_indices = query_start_loc[1:][np.asarray(plan.logits_of, dtype=np.int64)] - 1
-
-        pending_index = np.asarray([index for index, _ in plan.pending], dtype=np.int64)
-        pending_rows = np.asarray([row for _, row in plan.pending], dtype=np.int64)
+        slots = self._tables_host[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        pending_index = np.asarray(plan.pending_at, dtype=np.int64)
+        pending_rows = np.asarray(plan.pending_from, dtype=np.int64)
         if self._on_gpu:
             changed_rows, changed_data = self._changed_arrays(plan.changed_rows)
             (ids_d, positions_d, slots_d, qsl_d, seq_lens_d, logits_d, rows_d, changed_rows_d, changed_data_d,
@@ -146,7 +150,7 @@ class InputBatch:
             qsl_d = torch.from_numpy(query_start_loc.astype(np.int32))
             seq_lens_d = torch.from_numpy(seq_lens.astype(np.int32))
             tables = torch.from_numpy(self._tables_host[rows, :width])
-        if plan.pending:
+        if plan.pending_at:
             if last_sampled is None:
                 raise RuntimeError("a pending token without the previous step's sampled ids")
             # Clamped: an id outside the vocabulary fails its request when the host sees it,

@@ -118,10 +118,11 @@ class ModelRunner:
         scratch_blocks = -(-num_tokens // self.block_size)
         scratch = KVCache.for_model(self.model, self.block_size, self.cache_dtype, scratch_blocks, self.device)
         scratch.bind(self.model)
-        plan = StepPlan(rows=[0], starts=[0], query_lens=[num_tokens], token_ids=[0] * num_tokens, pending=[],
-                        logits_of=[0], changed_rows=[(0, list(range(scratch_blocks)))], request_ids=[0])
+        plan = StepPlan(rows=[0], starts=[0], query_lens=[num_tokens], token_ids=[0] * num_tokens, pending_at=[], pending_from=[],
+                        logits_of=[0], changed_rows=[(0, list(range(scratch_blocks)))], owners=[None])
         batch = InputBatch(scratch_blocks, self.block_size, self.device, self.vocab_size, initial_rows=1)
-        self._run_model(batch.prepare(plan, None))
+        with torch.inference_mode():
+            self._run_model(batch.prepare(plan, None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -140,9 +141,8 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    # --- a step -------------------------------------------------------------------------
+    # --- a step (called inside the engine core's inference mode: one per step, not one per call) ---
 
-    @torch.inference_mode()
     def move_blocks(self, out: SchedulerOutput) -> None:
         """The step's KV block moves, queued before its forward. Order matters (see
         SchedulerOutput): a block freed by one move may be the destination of a later one."""
@@ -150,7 +150,6 @@ class ModelRunner:
         self.kv_cache.copy_blocks(out.block_copies)
         self.kv_cache.swap_in(out.swap_in)
 
-    @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan's sequences: float32 logits [len(plan.logits_of), vocab]
         on the device (queued, not waited for)."""
@@ -162,7 +161,6 @@ class ModelRunner:
             self.step_timings.phase("forward")
         return logits
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
         """The rows' tokens (row i reads logits row i), queued on the device; their copy
         to the host starts at once, behind them."""
@@ -170,7 +168,6 @@ class ModelRunner:
         sample.start_copy()
         return sample
 
-    @torch.inference_mode()
     def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Beam search's candidates: the k highest log-probabilities of each row and their ids."""
         top = logits.log_softmax(dim=-1).topk(min(k, logits.shape[1]), dim=-1)

@@ -105,6 +105,7 @@ class Sampler:
         # Noise for unseeded rows; None uses torch's default generator of the logits' device.
         self.generator = generator
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
 
@@ -118,23 +119,33 @@ class Sampler:
         # Columns past the tokenizer's vocabulary (padded embeddings) are never sampled.
         raw = logits[:, : self.vocab_size].float()
 
-        # One pass over the rows sorts them into the stages they need.
+        # One pass over the rows sorts them into the stages they need; what a row needs
+        # comes from its params, worked out once per params object (rows share them).
         sampled_rows: list[int] = []
         penalised: list[int] = []
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         wanted: list[int] = []
+        needs: dict[int, tuple[bool, bool, bool, bool] | None] = {}
         for i, row in enumerate(rows):
             p = row.params
-            if p.temperature >= _GREEDY_EPS:
+            key = id(p)
+            if key in needs:
+                need = needs[key]
+            else:
+                need = needs[key] = _needs(p)
+            if need is None:
+                continue  # greedy, nothing else
+            sampled, penalties, min_tokens, logprobs = need
+            if sampled:
                 sampled_rows.append(i)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            if penalties:
                 penalised.append(i)
-            if p.min_tokens and row.num_output_tokens < p.min_tokens:
+            if min_tokens and row.num_output_tokens < p.min_tokens:
                 banned = self._stop_ids(p)
                 banned_rows += [i] * len(banned)
                 banned_tokens += banned
-            if p.logprobs is not None:
+            if logprobs:
                 wanted.append(i)
 
         processed = raw
@@ -165,11 +176,11 @@ class Sampler:
 
     def _choose_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow], sampled_rows: list[int]) -> torch.Tensor:
         if not sampled_rows:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         sampled = [rows[i] for i in sampled_rows]
         if len(sampled_rows) == len(rows):
             return self._sample(logits, sampled)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits)
         index = to_device(sampled_rows, torch.int64, logits.device)
         token_ids[index] = self._sample(logits[index], sampled)
         return token_ids
@@ -208,6 +219,26 @@ class Sampler:
 
 # Sampling with a temperature below this is deterministic argmax (SamplingParams.is_greedy).
 _GREEDY_EPS = 1e-5
+
+
+def _needs(p: SamplingParams) -> tuple[bool, bool, bool, bool] | None:
+    """(sampled, penalties, min_tokens, logprobs), or None for plain greedy rows."""
+    need = (
+        p.temperature >= _GREEDY_EPS,
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0,
+        p.min_tokens > 0,
+        p.logprobs is not None,
+    )
+    return need if any(need) else None
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest entry, as torch.argmax gives it. On a CPU through numpy,
+    whose argmax is vectorised: torch's took 17 ms for 256 rows of 32,000 logits on one
+    thread here, numpy's 1.4 ms (a 56M model's greedy step on two threads takes ~70 ms)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
+    return logits.argmax(dim=-1)
 
 
 def _ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tensor:

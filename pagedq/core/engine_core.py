@@ -168,7 +168,7 @@ class EngineCore:
         request = CoreRequest(
             message.request_id, message.prompt_token_ids, message.params, arrival_time=message.arrival_time,
             priority=message.priority, eos_token_ids=self._eos_token_ids, max_model_len=self.max_model_len,
-            beam_search=beam,
+            beam_search=beam, stream=message.stream,
         )
         first = self._new_sequence(request, 0)
         request.seqs.append(first)
@@ -236,11 +236,12 @@ class EngineCore:
         if self._reported:
             out.failed, self._reported = self._reported, []
         try:
-            launched = False
-            if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
-                launched = self._schedule_and_launch()
-            if self._in_flight and (not launched or len(self._in_flight) >= self.max_steps_in_flight):
-                self._collect(self._in_flight.popleft())
+            with torch.inference_mode():
+                launched = False
+                if len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_unfinished():
+                    launched = self._schedule_and_launch()
+                if self._in_flight and (not launched or len(self._in_flight) >= self.max_steps_in_flight):
+                    self._collect(self._in_flight.popleft())
         except BaseException:
             # Not any one request's fault: the engine's state cannot be trusted, so every
             # request goes, and the caller finds the core empty.
@@ -259,7 +260,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if sched.swap_out:
-                self.runner.move_blocks(sched)  # preempted by swap with nothing else to run
+                with torch.inference_mode():
+                    self.runner.move_blocks(sched)  # preempted by swap with nothing else to run
             if not self.scheduler.running and not self._in_flight and self.scheduler.has_unfinished():
                 # add_request refuses what can never be scheduled, so this is a pagedq bug;
                 # the request that blocks the queue fails rather than every request.
@@ -272,38 +274,43 @@ class EngineCore:
             timings.phase("schedule")
         self._step_id += 1
         self.counters.steps += 1
-        plan, samplers, beams, forks = self._plan(sched)
-
-        self.runner.move_blocks(sched)
+        failures = len(self._out.failed)
+        now = time.time()
+        for seq in sched.admitted:
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._out.scheduled.append((request.request_id, now, request.num_cached_tokens))
+        plan, rows, logits_rows, beams, forks, filled = self._plan(sched)
+        if sched.swap_out or sched.block_copies or sched.swap_in:
+            self.runner.move_blocks(sched)
         logits = self._forward(sched, plan)
-        # The step is committed: advance every scheduled sequence by what it computes.
-        counters = self.counters
-        for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # failed alone in _forward
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens = start + num_new
-            counters.tokens_computed += num_new
-            if start < seq.num_prompt_tokens:
-                counters.prompt_tokens_computed += min(seq.num_computed_tokens, seq.num_prompt_tokens) - start
-            self.block_manager.cache_full_blocks(seq.uid, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
+        # Blocks that this step fills join the prefix cache now that its forward is
+        # launched (never before: a block of a request whose forward failed must not be
+        # found by anyone).
+        bm = self.block_manager
+        for seq in filled:
+            if seq.status is SequenceStatus.RUNNING:
+                bm.cache_full_blocks(seq.uid, seq.token_ids, min(seq.num_computed_tokens, len(seq.token_ids)))
         for parent, logits_row in forks:
             if parent.status is SequenceStatus.RUNNING:
-                samplers += [(child, logits_row) for child in self._fork(parent)]
-        if timings is not None:
-            timings.phase("update")
-        rows = [seq for seq, _ in samplers if seq.status is SequenceStatus.RUNNING]
-        logits_rows = [row for seq, row in samplers if seq.status is SequenceStatus.RUNNING]
+                for child in self._fork(parent):
+                    child.num_pending, child.sample_step, child.sample_row = 1, self._step_id, len(rows)
+                    rows.append(child)
+                    logits_rows.append(logits_row)
+        if len(self._out.failed) != failures:  # some request failed alone in its forward
+            kept = [i for i, seq in enumerate(rows) if seq.status is SequenceStatus.RUNNING]
+            rows, logits_rows = [rows[i] for i in kept], [logits_rows[i] for i in kept]
+            self._renumber(rows)
+            failures = len(self._out.failed)
         sample = self._sample(logits, rows, logits_rows)
         if timings is not None:
             timings.phase("sample")
-        rows = [seq for seq in rows if seq.status is SequenceStatus.RUNNING]  # sampling may fail some alone
-        step_id = self._step_id
-        for row, seq in enumerate(rows):
-            seq.num_pending += 1
-            seq.sample_step, seq.sample_row = step_id, row
+        if len(self._out.failed) != failures:  # some request failed alone in its sampling
+            rows = [seq for seq in rows if seq.status is SequenceStatus.RUNNING]
+            self._renumber(rows)
         self.runner.last_sampled = sample.token_ids
-        launched = _LaunchedStep(step_id, rows, sample)
+        launched = _LaunchedStep(self._step_id, rows, sample)
         beams = [(seq, row) for seq, row in beams if seq.status is SequenceStatus.RUNNING]
         if beams:
             width = max(seq.request.beam_search.num_candidates for seq, _ in beams)
@@ -313,33 +320,43 @@ class EngineCore:
         self._in_flight.append(launched)
         return True
 
+    def _renumber(self, rows: list[Sequence]) -> None:
+        """After rows were dropped: each sequence's pending token sits at its new row."""
+        for row, seq in enumerate(rows):
+            seq.sample_row = row
+
     def _plan(self, sched: SchedulerOutput):
-        """The runner's StepPlan, and who samples from which logits row: (sequence, row)
-        pairs, beams' (sequence, row) pairs, and n > 1 parents that branch this step."""
-        bm = self.block_manager
+        """One pass over the scheduled sequences: the runner's StepPlan; who samples from
+        which logits row (the sequences, their rows); beams' (sequence, row) pairs; n > 1
+        parents that branch this step; the sequences whose step fills a block. Each
+        sequence is advanced by what the step computes (the step is committed from here:
+        if its forward fails for a request, that request ends), and each that samples
+        carries the pending token, at its row of this step's sampled ids."""
+        rows_of = self.block_manager.rows
+        block_size = self.args.block_size
         rows: list[int] = []
         starts: list[int] = []
         token_ids: list[int] = []
-        pending: list[tuple[int, int]] = []
+        pending_at: list[int] = []
+        pending_from: list[int] = []
         logits_of: list[int] = []
-        request_ids: list[int] = []
-        samplers: list[tuple[Sequence, int]] = []
+        samplers: list[Sequence] = []
+        sampler_rows: list[int] = []
         beams: list[tuple[Sequence, int]] = []
         forks: list[tuple[Sequence, int]] = []
-        now = time.time()
-        previous_step = self._step_id - 1
-        for i, (seq, num_new) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-            request = seq.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-                self._out.scheduled.append((request.request_id, now, request.num_cached_tokens))
+        filled: list[Sequence] = []
+        step_id = self._step_id
+        previous_step = step_id - 1
+        prompt_computed = 0
+        i = 0
+        for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
             start = seq.num_computed_tokens
-            rows.append(bm.row(seq.uid))
+            rows.append(rows_of[seq.uid])
             starts.append(start)
-            request_ids.append(request.request_id)
             known = seq.token_ids
             end = start + num_new
-            if end <= len(known):
+            num_known = len(known)
+            if end <= num_known:
                 if num_new == 1:
                     token_ids.append(known[start])
                 else:
@@ -348,21 +365,38 @@ class EngineCore:
                 # Only a decode reads a token still in flight: the one the last step sampled.
                 if num_new != 1 or seq.sample_step != previous_step:
                     raise RuntimeError(f"sequence {seq.uid}: {num_new} new tokens past its known ones (a pagedq bug)")
-                pending.append((len(token_ids), seq.sample_row))
+                pending_at.append(len(token_ids))
+                pending_from.append(seq.sample_row)
                 token_ids.append(0)
-            if end == len(known) + seq.num_pending:
+            if start < seq.num_prompt_tokens:
+                prompt_computed += min(end, seq.num_prompt_tokens) - start
+            # Known, computed tokens reach a block's end: one block per decode at most, a
+            # chunk may fill several.
+            if num_new > 1 or (end if end < num_known else num_known) % block_size == 0:
+                filled.append(seq)
+            if end == num_known + seq.num_pending:
                 logits_row = len(logits_of)
                 logits_of.append(i)
+                request = seq.request
                 if request.beam_search is not None:
                     beams.append((seq, logits_row))
                 else:
-                    samplers.append((seq, logits_row))
+                    seq.num_pending += 1
+                    seq.sample_step = step_id
+                    seq.sample_row = len(samplers)
+                    samplers.append(seq)
+                    sampler_rows.append(logits_row)
                     if not request.branched and request.params.n > 1:
                         forks.append((seq, logits_row))
-        plan = StepPlan(rows=rows, starts=starts, query_lens=list(sched.num_new_tokens), token_ids=token_ids,
-                        pending=pending, logits_of=logits_of, changed_rows=bm.take_changed_rows(),
-                        request_ids=request_ids)
-        return plan, samplers, beams, forks
+            seq.num_computed_tokens = end
+            i += 1
+        counters = self.counters
+        counters.tokens_computed += len(token_ids)
+        counters.prompt_tokens_computed += prompt_computed
+        plan = StepPlan(rows=rows, starts=starts, query_lens=sched.num_new_tokens, token_ids=token_ids,
+                        pending_at=pending_at, pending_from=pending_from, logits_of=logits_of,
+                        changed_rows=self.block_manager.take_changed_rows(), owners=sched.seqs)
+        return plan, samplers, sampler_rows, beams, forks, filled
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: when the prompt's last chunk is launched, the other n - 1
@@ -383,8 +417,8 @@ class EngineCore:
             return self.runner.forward(plan)
         except Exception as exc:
             groups: dict[int, list[int]] = {}
-            for i, request_id in enumerate(plan.request_ids):
-                groups.setdefault(request_id, []).append(i)
+            for i, seq in enumerate(plan.owners):
+                groups.setdefault(seq.request.request_id, []).append(i)
             if len(groups) == 1:
                 raise
             logger.warning("a step's forward failed (%r); running each of its %d requests alone", exc, len(groups))
@@ -447,32 +481,42 @@ class EngineCore:
             timings.phase("sample")
         out = self._out
         vocab_size = self.vocab_size
-        counters = self.counters
+        request_ids, seq_indexes, token_ids = out.request_ids, out.seq_indexes, out.token_ids
+        reported = len(token_ids)
+        generated = 0  # tokens of requests that are not streamed
+        now = time.time()
         touched: dict[int, CoreRequest] = {}
         for row, (seq, token) in enumerate(zip(launched.rows, sampled.token_ids)):
             if seq.status is SequenceStatus.FINISHED:
                 continue  # ended (or its request did) since this step was launched
-            request = seq.request
             seq.num_pending -= 1
+            request = seq.request
             if not 0 <= token < vocab_size:
                 self._fail_request(request, f"sampling produced token id {token}, outside the vocabulary")
                 continue
-            seq.token_ids.append(token)
-            counters.generation_tokens += 1
-            out.request_ids.append(request.request_id)
-            out.seq_indexes.append(seq.index)
-            out.token_ids.append(token)
-            if request.wants_logprobs:
-                top = sampled.top_logprobs[row]
-                out.logprobs.append(
-                    (len(out.token_ids) - 1, sampled.logprobs[row], [(t, e.logprob, e.rank) for t, e in top.items()])
-                )
-            if len(seq.token_ids) - seq.num_prompt_tokens >= request.max_output_tokens:
+            known = seq.token_ids
+            known.append(token)
+            if request.stream:
+                request_ids.append(request.request_id)
+                seq_indexes.append(seq.index)
+                token_ids.append(token)
+                if request.wants_logprobs:
+                    top = sampled.top_logprobs[row]
+                    out.logprobs.append(
+                        (len(token_ids) - 1, sampled.logprobs[row], [(t, e.logprob, e.rank) for t, e in top.items()])
+                    )
+            elif request.first_token_time is None:
+                request.first_token_time = now
+                generated += 1
+            else:
+                generated += 1
+            if len(known) >= seq.max_num_tokens:
                 self._finish(seq, "length", None)
                 touched[request.request_id] = request
             elif token in request.stop_reasons:
                 self._finish(seq, "stop", request.stop_reasons[token])
                 touched[request.request_id] = request
+        self.counters.generation_tokens += len(token_ids) - reported + generated
         if launched.beams:
             values, ids = launched.beam_top.lists()
             for seq, top_values, top_ids in zip(launched.beams, values, ids):
@@ -485,7 +529,16 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
         self.scheduler.finish(seq)
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self._out.finished.append((seq.request.request_id, seq.index, reason, stop_reason))
+        request = seq.request
+        self._out.finished.append((request.request_id, seq.index, reason, stop_reason))
+        if not request.stream:
+            self._complete(seq)
+
+    def _complete(self, seq: Sequence) -> None:
+        """A sequence of a request that is not streamed: every output token, at once."""
+        request = seq.request
+        first = request.first_token_time if request.first_token_time is not None else time.time()
+        self._out.completed.append((request.request_id, seq.index, seq.output_token_ids, first))
 
     def _end_sequences(self, request: CoreRequest, reason: str) -> None:
         request.finished = True
@@ -501,6 +554,10 @@ class EngineCore:
             return
         logger.warning("request %s failed alone: %s", request.request_id, error, exc_info=exc)
         request.error = error
+        if not request.stream:
+            for seq in request.seqs:
+                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens:
+                    self._complete(seq)  # what it made before it failed
         self._end_sequences(request, "error")
         del self.requests[request.request_id]
         self.counters.requests_failed += 1

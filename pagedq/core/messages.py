@@ -30,6 +30,10 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False, tag=True):
     priority: int = 0
     # Beam search: `params` then holds what every beam shares (greedy, max_tokens, ignore_eos).
     beam: BeamSearchParams | None = None
+    # Report each step's tokens as they come; False: each sequence's tokens arrive once,
+    # when it ends (`CoreOutputs.completed`). The front asks for the latter when nobody
+    # watches the tokens go by (final-only outputs, no stop strings, no logprobs).
+    stream: bool = True
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -73,6 +77,9 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[tuple[int, float, list[tuple[int, float, int]]]] = msgspec.field(default_factory=list)
     # (request id, sequence index, finish_reason "stop" or "length", stop_reason)
     finished: list[tuple[int, int, str, int | None]] = msgspec.field(default_factory=list)
+    # Sequences of requests added with stream=False that ended (or failed), with every
+    # output token at once: (request id, sequence index, token ids, when its first came).
+    completed: list[tuple[int, int, list[int], float]] = msgspec.field(default_factory=list)
     # Requests scheduled for the first time: (request id, when, prompt tokens found cached).
     scheduled: list[tuple[int, float, int]] = msgspec.field(default_factory=list)
     # Requests the core failed alone, for something they caused: (request id, why).

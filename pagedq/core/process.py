@@ -72,7 +72,7 @@ def run_core_process(settings: dict) -> None:
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))
-            if out is not None and (out.request_ids or out.finished or out.failed or out.beams or out.scheduled
+            if out is not None and (out.request_ids or out.finished or out.completed or out.failed or out.beams or out.scheduled
                                     or out.error is not None) or changed:
                 out = out or messages.CoreOutputs()
                 out.stats = core.stats()

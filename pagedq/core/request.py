@@ -39,7 +39,8 @@ class CoreRequest:
     __slots__ = (
         "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
         "num_cached_tokens", "beam_search", "branched", "finished", "error", "first_scheduled_time",
-        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "is_greedy", "has_penalties",
+        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "is_greedy", "has_penalties", "stream",
+        "first_token_time",
     )
 
     def __init__(
@@ -53,6 +54,7 @@ class CoreRequest:
         eos_token_ids: set[int],
         max_model_len: int,
         beam_search: BeamSearch | None = None,
+        stream: bool = True,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -71,6 +73,9 @@ class CoreRequest:
         self.finished = False
         self.error: str | None = None
         self.first_scheduled_time: float | None = None
+        # Whether each step's tokens are reported (else each sequence's, when it ends).
+        self.stream = stream
+        self.first_token_time: float | None = None
         self.has_penalties = (
             params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         )
@@ -100,11 +105,14 @@ class Sequence:
     __slots__ = (
         "request", "index", "uid", "token_ids", "num_prompt_tokens", "num_pending", "num_computed_tokens",
         "status", "finish_reason", "stop_reason", "cumulative_logprob", "generator", "num_preemptions",
-        "sort_key", "sample_step", "sample_row",
+        "sort_key", "sample_step", "sample_row", "max_num_tokens", "params", "prompt_token_ids",
     )
 
     def __init__(self, request: CoreRequest, index: int, token_ids: list[int]):
         self.request = request
+        # The request's, here for the sampler, which reads them every step.
+        self.params = request.params
+        self.prompt_token_ids = request.prompt_token_ids
         # 0..n-1: which of the request's outputs this is.
         self.index = index
         # The block manager's key: unique inside the engine (a beam differs from the one it replaced).
@@ -112,6 +120,8 @@ class Sequence:
         # Prompt then the outputs the host knows.
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        # Prompt plus the most outputs the length limit allows.
+        self.max_num_tokens = self.num_prompt_tokens + request.max_output_tokens
         # Sampled by a step in flight, not yet known on the host (0 or 1).
         self.num_pending = 0
         # Positions whose KV is in the cache or being written by a step in flight.
@@ -130,14 +140,6 @@ class Sequence:
         # is read from that step's sampled ids on the device.
         self.sample_step = -1
         self.sample_row = -1
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -163,4 +165,4 @@ class Sequence:
     @property
     def at_length_limit(self) -> bool:
         """Its last allowed token is sampled (maybe still in flight): nothing more to schedule."""
-        return len(self.token_ids) - self.num_prompt_tokens + self.num_pending >= self.request.max_output_tokens
+        return len(self.token_ids) + self.num_pending >= self.max_num_tokens

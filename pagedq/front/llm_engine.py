@@ -127,7 +127,12 @@ class LLMEngine:
         core_id = next(self._core_ids)
         state = RequestState(request_id, core_id, text, token_ids, sampling, beam, output_kind, arrival_time,
                              self.tokenizer)
-        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam))
+        # Nobody watches a final-only request's tokens go by unless a stop string or
+        # logprobs need each one: the core then sends them once, when each sequence ends.
+        stream = output_kind is not RequestOutputKind.FINAL_ONLY or bool(sampling.stop_strings) or (
+            sampling.logprobs is not None
+        )
+        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam, stream))
         self._states[request_id] = state
         self.output_processor.add(state)
 

@@ -202,6 +202,24 @@ class OutputProcessor:
                 self._fail(state, f"processing its new token failed: {exc!r}", exc)
                 self.dropped.append(core_id)
             touched[core_id] = state
+        for core_id, index, tokens, first_token_time in out.completed:
+            state = states.get(core_id)
+            if state is None or state.finished:
+                continue
+            seq = state.seqs[index]
+            try:
+                if state.metrics.first_token_time is None or first_token_time < state.metrics.first_token_time:
+                    state.metrics.first_token_time = first_token_time
+                seq.token_ids += tokens
+                end = ends.get((core_id, index))
+                if seq.detokenizer is not None:
+                    seq.detokenizer.update(tokens, stop_terminated=end is not None and end[0] == "stop")
+                if end is not None:
+                    state.end_sequence(seq, *end)
+            except Exception as exc:
+                self._fail(state, f"processing its new token failed: {exc!r}", exc)
+                self.dropped.append(core_id)
+            touched[core_id] = state
         for core_id, error in out.failed:
             state = states.get(core_id)
             if state is not None and not state.finished:
