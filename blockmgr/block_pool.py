@@ -28,7 +28,11 @@ class BlockKey:
     hash: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "hash", hash((self.parent_hash, self.token_ids)))
+        object.__setattr__(self, "hash", content_hash(self.parent_hash, self.token_ids))
+
+
+def content_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from blockmgr import BlockKey, BlockManager, NoFreeBlocksError
+from blockmgr import BlockManager, NoFreeBlocksError, block_pool
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -170,7 +170,7 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 
 def test_hash_collision_is_a_miss_not_a_wrong_block(monkeypatch):
     # Every key hashes alike: only comparing the tokens tells the blocks apart.
-    monkeypatch.setattr(BlockKey, "hash", property(lambda self: 0))
+    monkeypatch.setattr(block_pool, "content_hash", lambda parent_hash, token_ids: 0)
     bm = BlockManager(8, BLOCK_SIZE)
     bm.admit("a", bm.find_prefix([1, 2, 3, 4, 5]), 5, num_prompt_tokens=5)
     bm.cache_full_blocks("a", [1, 2, 3, 4, 5], 5)
