@@ -251,3 +251,30 @@ def test_the_sse_reader_gives_the_same_frames_however_the_stream_is_cut():
         parser = SSEParser()
         pieces = [stream[i:i + cut] for i in range(0, len(stream), cut)]
         assert [frame for piece in pieces for frame in parser.feed_text(piece)] == expected, cut
+
+
+def test_host_bench_measures_decode_steps_by_phase(model_dir, tmp_path, capsys):
+    """`bench host`: the stub forward, N requests running, every decode step's host time
+    split by phase; the phases add up to the step."""
+    from pagedq.core.step_timings import PHASES
+
+    report = tmp_path / "host.json"
+    args = ["bench", "host", "--model", model_dir, "--running", "3,5", "--prompt-len", "4", "--output-len", "6",
+            "--rounds", "2", "--json", str(report)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    record = json.loads(report.read_text())
+    assert [r["running"] for r in record["results"]] == [3, 5] and record["forward"] == "stub forward"
+    for result in record["results"]:
+        fastest = result["fastest"]
+        # The first step prefills; the other five each decode every running request.
+        assert fastest["steps"] == 5 and fastest["mean_seqs_per_step"] == result["running"]
+        assert sum(fastest["phases_us_per_step"].values()) == pytest.approx(fastest["us_per_step"])
+        assert set(fastest["phases_us_per_step"]) == set(PHASES)
+        assert fastest["us_per_step"] <= result["median"]["us_per_step"]
+    assert any(line.split()[:2] == ["5", "5"] for line in table.splitlines())
+
+
+def test_breakdown_needs_the_core_in_this_process(model_dir, capsys):
+    assert main(bench_offline(model_dir, "--peers", "pagedq", "--breakdown", "--core-process")) == 1
+    assert "--breakdown" in capsys.readouterr().err
