@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU machine is used for, in one script (the lease is short: one call runs
 # several stages). Run from the repository root on the GPU machine:
-#   bash bench/gpu_session.sh STAGE...   stages: tests kernels offline serve smollm2 presets profile
+#   bash bench/gpu_session.sh STAGE...   stages: tests host engine kernels offline serve smollm2 presets profile
 # That machine has torch, Triton and transformers but not the service's packages and no
 # network: they travel as wheels in .whl/ (see the device notes in bench/results/), and
 # everything is written under $OUT (default ./gpu-out).
@@ -33,6 +33,33 @@ for s in "$@"; do
         timeout 420 python3 -m pytest -q -p no:cacheprovider -rfEs -k "${TESTS_K:-not under_interpreter}" \
             tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_fp8_kv_cache.py \
             tests/test_gpu_engine.py 2>&1 | tee "$OUT/tests.log" | tail -60
+        ;;
+    host)
+        # The host's own cost per decode step (stub forward), with the real CUDA copies and events.
+        stage "host cost per step (stub forward)"
+        [ -d /tmp/models/host-bench ] || $PAGEDQ make-tiny-model --preset host-bench /tmp/models/host-bench >/dev/null
+        timeout 240 $PAGEDQ bench host --model /tmp/models/host-bench --device cuda --running 64,256,1024 \
+            --rounds 3 --json "$OUT/host.json" 2>&1 | tee "$OUT/host.log" | tail -10
+        ;;
+    engine)
+        # The engine issue's targets: nano-vllm's workload on the real shapes, overlapped steps
+        # off then on, with where the host's time goes; nvidia-smi dmon samples the SMs' busy
+        # share meanwhile (zeros, the model loading, left out).
+        for preset in llama-3.2-1b qwen2.5-0.5b; do
+            [ -d /tmp/models/$preset ] || $PAGEDQ make-tiny-model --preset $preset /tmp/models/$preset >/dev/null
+            for overlap in off on; do
+                stage "engine $preset bf16, overlapped steps $overlap"
+                nvidia-smi dmon -s u -d 1 > "$OUT/dmon-$preset-$overlap.log" 2>&1 &
+                DMON=$!
+                timeout 240 $PAGEDQ bench offline --model /tmp/models/$preset --device cuda --dtype bfloat16 \
+                    --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --peers pagedq --rounds 2 \
+                    --async-scheduling $overlap --breakdown --json "$OUT/engine-$preset-$overlap.json" 2>&1 \
+                    | tee "$OUT/engine-$preset-$overlap.log" | tail -12
+                kill $DMON
+                awk '!/^#/ && $2 > 0 {print $2}' "$OUT/dmon-$preset-$overlap.log" | sort -n \
+                    | awk '{a[NR]=$1} END {if (NR) print "SM busy %, 1 s samples:", NR, "p25", a[int(NR/4)+1], "median", a[int(NR/2)+1], "p75", a[int(3*NR/4)+1]}'
+            done
+        done
         ;;
     kernels)
         stage kernels

@@ -1,7 +1,9 @@
 """The engine end to end on a CUDA device: Triton attention and KV stores compiled for the
 GPU, decode replayed from CUDA graphs, greedy float32 generation equal to transformers'
-on the same device token for token. These run only where a GPU is present (never in CI,
-which has none); test_engine.py holds the same contracts on the CPU."""
+on the same device token for token, with overlapped steps (CUDA's default: each step's
+inputs read the previous step's sampled ids on the device) and without. These run only
+where a GPU is present (never in CI, which has none); test_engine.py holds the same
+contracts on the CPU."""
 
 from __future__ import annotations
 
@@ -44,9 +46,9 @@ def cuda_llm(model_dir, **kwargs) -> LLM:
     return LLM(str(model_dir), dtype="float32", device="cuda", **kwargs)
 
 
-def test_greedy_equals_hf_on_cuda_with_graphs(tiny_model_dir, tiny_arch):
+def test_greedy_equals_hf_on_cuda_with_graphs(tiny_model_dir, tiny_arch, overlap):
     model_dir = tiny_model_dir(tiny_arch)
-    llm = cuda_llm(model_dir)
+    llm = cuda_llm(model_dir, async_scheduling=overlap)
     engine = llm.llm_engine
     assert engine.runner.attention.name == "triton"
     prompts = random_prompts(engine.vocab_size)
@@ -65,18 +67,19 @@ def test_eager_and_graph_decode_agree(tiny_model_dir):
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_preemption_on_cuda(tiny_model_dir, preemption_mode):
+def test_preemption_on_cuda(tiny_model_dir, preemption_mode, overlap):
     model_dir = tiny_model_dir("llama")
-    llm = cuda_llm(model_dir, num_gpu_blocks_override=7, preemption_mode=preemption_mode, swap_space=1e-3)
+    llm = cuda_llm(model_dir, num_gpu_blocks_override=7, preemption_mode=preemption_mode, swap_space=1e-3,
+                   async_scheduling=overlap)
     prompts = random_prompts(llm.llm_engine.vocab_size, lens=(40, 33, 20, 17, 45))
     assert generate_ids(llm, prompts, GREEDY) == hf_greedy_cuda(model_dir, prompts, MAX_TOKENS)
     assert llm.llm_engine.stats()[f"num_preemptions_{preemption_mode}"] > 0
     assert_all_blocks_free(llm.llm_engine)
 
 
-def test_chunked_prefill_and_prefix_caching_on_cuda(tiny_model_dir):
+def test_chunked_prefill_and_prefix_caching_on_cuda(tiny_model_dir, overlap):
     model_dir = tiny_model_dir("llama")
-    llm = cuda_llm(model_dir, max_num_batched_tokens=7)
+    llm = cuda_llm(model_dir, max_num_batched_tokens=7, async_scheduling=overlap)
     vocab = llm.llm_engine.vocab_size
     shared = random_prompts(vocab, lens=(35,), seed=5)[0]
     prompts = random_prompts(vocab) + [shared + p for p in random_prompts(vocab, lens=(3, 9), seed=6)]
@@ -99,3 +102,21 @@ def test_bfloat16_mostly_agrees_with_transformers_bfloat16(tiny_model_dir):
     assert [o[0] for o in ours] == [t[0] for t in theirs]
     agreeing = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
     print(f"bf16 tokens equal to transformers' bf16: {agreeing}/{len(prompts) * MAX_TOKENS}")
+
+
+def test_overlapped_sampling_on_cuda_matches_steps_one_at_a_time(tiny_model_dir):
+    """Seeded parallel sampling (n > 1 branching at the prompt's last chunk), logprobs and
+    a stop token under overlap give what synchronous steps give."""
+    model_dir = tiny_model_dir("llama")
+    params = [
+        SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, stop_token_ids=[7, 9, 11]),
+    ]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(512, lens=(5, 17, 33))]
+
+    def run(overlap: bool):
+        outputs = cuda_llm(model_dir, async_scheduling=overlap).generate(prompts, params, use_tqdm=False)
+        return [[(c.token_ids, c.finish_reason, [sorted(e) for e in c.logprobs or []]) for c in o.outputs] for o in outputs]
+
+    assert run(True) == run(False)
