@@ -66,12 +66,14 @@ def planned_requests(plan):
 
 
 def run_with_poison(llm, poison_params=GREEDY):
-    """Bystanders (greedy, plus one seeded) and a poison request in one engine; every final output by id."""
+    """Bystanders (greedy, plus one seeded) and a poison request among them in one engine
+    (rows on both sides of its own); every final output by id."""
     engine = llm.llm_engine
     for i, prompt in enumerate(BYSTANDERS):
         engine.add_request(f"ok-{i}", {"prompt_token_ids": prompt}, GREEDY)
+        if i == 2:
+            engine.add_request("poison", {"prompt_token_ids": POISON}, poison_params)
     engine.add_request("seeded", {"prompt_token_ids": BYSTANDERS[0]}, SEEDED)
-    engine.add_request("poison", {"prompt_token_ids": POISON}, poison_params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

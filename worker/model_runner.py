@@ -173,6 +173,11 @@ class ModelRunner:
         top = logits.log_softmax(dim=-1).topk(min(k, logits.shape[1]), dim=-1)
         return top.values, top.indices
 
+    def synchronize(self) -> None:
+        """Wait for everything queued on the device."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         md = inputs.metadata
         if self.graphs is not None and inputs.is_decode_only and self.graphs.fits(md.num_seqs):

@@ -303,12 +303,11 @@ class EngineCore:
             rows, logits_rows = [rows[i] for i in kept], [logits_rows[i] for i in kept]
             self._renumber(rows)
             failures = len(self._out.failed)
+        # A request that fails alone in its sampling keeps its rows (ended sequences, their
+        # ids unread), so every row stays where the sampled ids have it.
         sample = self._sample(logits, rows, logits_rows)
         if timings is not None:
             timings.phase("sample")
-        if len(self._out.failed) != failures:  # some request failed alone in its sampling
-            rows = [seq for seq in rows if seq.status is SequenceStatus.RUNNING]
-            self._renumber(rows)
         self.runner.last_sampled = sample.token_ids
         launched = _LaunchedStep(self._step_id, rows, sample)
         beams = [(seq, row) for seq, row in beams if seq.status is SequenceStatus.RUNNING]
@@ -422,6 +421,9 @@ class EngineCore:
             if len(groups) == 1:
                 raise
             logger.warning("a step's forward failed (%r); running each of its %d requests alone", exc, len(groups))
+            # The retries run one after another, synchronously (the input staging buffers
+            # are reused at once).
+            self.runner.synchronize()
             wanted = {seq_index: row for row, seq_index in enumerate(plan.logits_of)}
             rows: dict[int, torch.Tensor] = {}  # logits row -> its logits
             failed: list[tuple[CoreRequest, Exception]] = []
