@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     swap_space: float | None = Field(None, description="GiB of CPU memory for swapped-out KV blocks.")
     attention_backend: str | None = Field(None, description="auto, cpu, torch or triton.")
     enforce_eager: bool | None = Field(None, description="Decode without CUDA graphs.")
+    async_scheduling: bool | None = Field(
+        None, description="Overlapped engine steps (the next step launched before the last one's tokens are read); "
+        "default on for CUDA, off for CPU.",
+    )
+    core_process: bool | None = Field(
+        None, description="Run the engine core in a process of its own (default: in the worker's process).",
+    )
 
     # Client side (`pagedq submit/result/cancel`).
     url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")

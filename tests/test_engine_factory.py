@@ -15,13 +15,14 @@ def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
     for name, value in {
         "MODEL": str(tiny_model_dir("llama")), "DEVICE": "cpu", "KV_CACHE_DTYPE": "fp8",
         "ENABLE_PREFIX_CACHING": "false", "PREEMPTION_MODE": "swap", "SWAP_SPACE": "0.001",
-        "BLOCK_SIZE": "8", "MAX_NUM_BATCHED_TOKENS": "64", "NUM_GPU_BLOCKS": "40",
+        "BLOCK_SIZE": "8", "MAX_NUM_BATCHED_TOKENS": "64", "NUM_GPU_BLOCKS": "40", "ASYNC_SCHEDULING": "true",
     }.items():
         monkeypatch.setenv(f"PAGEDQ_{name}", value)
     engine = build_engine(Settings())
     args = engine.args
     assert (args.kv_cache_dtype, args.enable_prefix_caching, args.preemption_mode) == ("fp8", False, "swap")
     assert (args.block_size, args.max_num_batched_tokens, args.num_gpu_blocks_override) == (8, 64, 40)
+    assert args.async_scheduling and engine.engine_core.max_steps_in_flight == 2
     assert engine.runner.num_cpu_blocks > 0 and engine.block_manager.num_total_blocks == 40
 
 

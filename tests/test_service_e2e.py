@@ -294,3 +294,29 @@ def test_beam_search_returns_every_beam_best_first(service, client, model):
     prompt_len = result["usage"]["prompt_tokens"]
     assert [b["token_ids"] for b in result["beams"]] == [s.tokens[prompt_len:] for s in offline.sequences]
     assert result["token_ids"] == result["beams"][0]["token_ids"] and result["text"] == result["beams"][0]["text"]
+
+
+def test_a_worker_whose_engine_core_runs_in_its_own_process(service, model, tmp_path):
+    """PAGEDQ_CORE_PROCESS with overlapped steps: the same tokens as the offline engine,
+    streamed; the core process leaves with its worker."""
+    api, _, _ = service
+    settings = service_settings(model, api.settings.redis_url, tmp_path, queue_name="core-process",
+                                core_process=True, async_scheduling=True)
+    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    side_api = ApiServer(settings).start()
+    try:
+        wait_for_worker(side_api.url)
+        requests = [{"prompt_token_ids": [5 + i, 6, 7 + i], "max_tokens": 10 + i, "temperature": 0} for i in range(6)]
+        with Client(side_api.url, timeout_s=60) as side_client:
+            seq_ids = [side_client.submit(**body)["seq_id"] for body in requests]
+            streamed = "".join(side_client.stream(seq_ids[0]))
+            results = [side_client.wait(seq_id) for seq_id in seq_ids]
+        assert [r["token_ids"] for r in results] == offline_greedy(model, requests)
+        assert streamed == results[0]["text"]
+        cores = subprocess.run(["pgrep", "-f", "-P", str(worker.process.pid), "pagedq.core.process"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(cores) == 1, worker.log()
+    finally:
+        side_api.stop()
+        worker.stop()
+    wait_until(lambda: not os.path.exists(f"/proc/{cores[0]}"), 10, "the engine core process to leave with its worker")
