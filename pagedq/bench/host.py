@@ -17,24 +17,14 @@ from __future__ import annotations
 
 import argparse
 
-from pagedq.bench.workload import positive_int
-
-
-def running_counts(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least one count, each >= 1")
-    return counts
+from pagedq.bench.workload import positive_int, positive_ints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="local checkpoint (`pagedq make-tiny-model DIR --preset host-bench`)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--running", type=running_counts, default=[64, 256, 1024], metavar="N,N,...",
+    parser.add_argument("--running", type=positive_ints, default=[64, 256, 1024], metavar="N,N,...",
                         help="requests running at once, one measurement each (default 64,256,1024)")
     parser.add_argument("--prompt-len", type=positive_int, default=32)
     parser.add_argument("--output-len", type=positive_int, default=256)

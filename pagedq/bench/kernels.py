@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Callable
 
+from pagedq.bench.workload import positive_ints
 from pagedq.cli import CommandError
 
 if TYPE_CHECKING:
@@ -136,9 +137,9 @@ def random_paged_batch(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODEL_SHAPES), default=list(MODEL_SHAPES), help="attention shapes to time")
-    parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 32, 256], help="decode batch sizes, comma-separated (default 1,32,256)")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 32, 256], help="decode batch sizes, comma-separated (default 1,32,256)")
     parser.add_argument("--context", type=int, default=1024, help="decode context length per sequence (default 1024)")
-    parser.add_argument("--prefill-batch-sizes", type=_positive_ints, default=[1, 8], help="prefill batch sizes (default 1,8)")
+    parser.add_argument("--prefill-batch-sizes", type=positive_ints, default=[1, 8], help="prefill batch sizes (default 1,8)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (default 1024)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (default 16)")
@@ -146,16 +147,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--interpret", action="store_true", help="no GPU: only a tiny correctness check on CPU through the Triton interpreter"
     )
-
-
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def run(args: argparse.Namespace) -> int:

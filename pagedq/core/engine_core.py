@@ -138,12 +138,7 @@ class EngineCore:
             block_size=self.args.block_size, attention_backend=self.runner.attention.name,
         )
 
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self._eos_token_ids
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, token_ids: set[int]) -> None:
+    def set_eos_token_ids(self, token_ids: set[int]) -> None:
         """Applies to requests added from now on (and to min_tokens masking at once)."""
         self._eos_token_ids = set(token_ids)
         self.runner.sampler.eos_token_ids = set(token_ids)

@@ -100,7 +100,7 @@ def _handle(core, message) -> bool:
         core.stop_sequences(message.sequences)
         return True
     if isinstance(message, messages.SetEosTokenIds):
-        core.eos_token_ids = set(message.token_ids)
+        core.set_eos_token_ids(set(message.token_ids))
     return False
 
 

@@ -74,7 +74,7 @@ class InprocCoreClient:
         self.core.stop_sequences(sequences)
 
     def set_eos_token_ids(self, token_ids: set[int]) -> None:
-        self.core.eos_token_ids = token_ids
+        self.core.set_eos_token_ids(token_ids)
 
     def get_outputs(self, wait: bool) -> list[CoreOutputs]:
         if not self.core.has_work():

@@ -199,8 +199,7 @@ class OutputProcessor:
                 if end is not None:
                     state.end_sequence(seq, *end)
             except Exception as exc:
-                self._fail(state, f"processing its new token failed: {exc!r}", exc)
-                self.dropped.append(core_id)
+                self._token_fault(state, exc)
             touched[core_id] = state
         for core_id, index, tokens, first_token_time in out.completed:
             state = states.get(core_id)
@@ -217,8 +216,7 @@ class OutputProcessor:
                 if end is not None:
                     state.end_sequence(seq, *end)
             except Exception as exc:
-                self._fail(state, f"processing its new token failed: {exc!r}", exc)
-                self.dropped.append(core_id)
+                self._token_fault(state, exc)
             touched[core_id] = state
         for core_id, error in out.failed:
             state = states.get(core_id)
@@ -249,6 +247,11 @@ class OutputProcessor:
         state.metrics.finished_time = time.time()
         del self.states[state.core_id]
         return state.final_output()
+
+    def _token_fault(self, state: RequestState, exc: Exception) -> None:
+        """Processing a request's tokens threw: that request fails alone, and the core drops it."""
+        self._fail(state, f"processing its new token failed: {exc!r}", exc)
+        self.dropped.append(state.core_id)
 
     def _fail(self, state: RequestState, error: str, exc: BaseException | None = None) -> None:
         if state.error is not None:
