@@ -38,8 +38,6 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -50,6 +48,7 @@ from api.jobs import JobStore, invalid_input
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.threads import blocking
 from pagedq.protocol import JobPayload
+from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state, tenant_batches_key
 from pagedq.request_rules import ValidInput
 from pagedq.settings import Settings
@@ -527,19 +526,20 @@ async def supervise(app: FastAPI) -> None:
         for batch_id in store.connection.smembers(ACTIVE_BATCHES_KEY):
             try:
                 store.advance(batch_id.decode())
-            except (RedisConnectionError, RedisTimeoutError):
-                raise
-            except Exception:
+            except Exception as exc:
+                if passing_redis_trouble(exc) is not None:
+                    raise
                 # One batch's fault must not stop the others from advancing.
                 log.exception("batch supervisor: advancing batch %s failed; retrying next round", batch_id.decode())
 
     while True:
         try:
             await anyio.to_thread.run_sync(advance_all, limiter=app.state.blocking)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("batch supervisor: Redis unreachable (%s); retrying", exc)
-        except Exception:
-            log.exception("batch supervisor: advancing batches failed; retrying")
+        except Exception as exc:
+            if (trouble := passing_redis_trouble(exc)) is not None:
+                log.warning("batch supervisor: Redis %s (%s); retrying", trouble, exc)
+            else:
+                log.exception("batch supervisor: advancing batches failed; retrying")
         await asyncio.sleep(interval)
 
 

@@ -2,8 +2,10 @@
 except under /v1, where it is OpenAI's `{"error": {"message", "type", "param", "code"}}` and
 a request that does not validate is a 400 (OpenAI clients expect that shape and status).
 
-Redis unreachable (down, restarting, loading its AOF) is the one failure a client can
-wait out: 503 with Retry-After, never a 500.
+Redis unreachable (down, restarting, loading its AOF) or refusing for a reason that passes
+(out of memory, read-only after a failover, busy: redis_connection.passing_redis_trouble)
+is the one failure a client can wait out: 503 with Retry-After and the cause, never a 500,
+and the connection stays open for the client's next request.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
+
+from pagedq.redis_connection import passing_redis_trouble
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -64,9 +67,10 @@ def error_response(
 
 
 def redis_unavailable(exc: Exception, path: str = "") -> JSONResponse:
+    trouble = passing_redis_trouble(exc) or "is unavailable"
     return error_response(
-        503, f"the job store (Redis) is unreachable: {exc}; retry later", {"Retry-After": str(REDIS_RETRY_AFTER_S)},
-        path=path,
+        503, f"the job store (Redis) {trouble}: {exc}; retry later", {"Retry-After": str(REDIS_RETRY_AFTER_S)},
+        path=path, code="redis_unavailable",
     )
 
 
@@ -102,10 +106,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(400, describe_validation_errors(errors), path=path, param=first_field(errors))
         return error_response(422, describe_validation_errors(errors))
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
-    async def _redis_unavailable(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("Redis unreachable on %s %s: %s", request.method, request.url.path, exc)
+    @app.exception_handler(RedisError)
+    async def _redis_error(request: Request, exc: RedisError) -> JSONResponse:
+        trouble = passing_redis_trouble(exc)
+        if trouble is None:
+            log.exception("Redis error on %s %s", request.method, request.url.path)
+            return error_response(500, "internal error; see the api log", path=request.url.path)
+        log.warning("Redis %s on %s %s: %s", trouble, request.method, request.url.path, exc)
         return redis_unavailable(exc, request.url.path)
 
     @app.exception_handler(Exception)

@@ -11,16 +11,19 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis import Redis
+from redis.exceptions import RedisError
 from rq.worker_registration import get_keys as registered_worker_keys
 
 from api.auth import Caller, authenticate, authenticate_probe
-from api.errors import ApiError, error_response
+from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull
 from api.prompts import PromptChecker
 from api.streaming import StreamReader, valid_stream_id
 from api.threads import blocking
 from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
+from pagedq.redis_connection import passing_redis_trouble
+from pagedq.redis_schema import READY_PROBE_KEY, READY_PROBE_TTL_S
 
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
 # Who calls (api.auth.ANYONE with auth off); module-level so FastAPI can resolve the annotation.
@@ -122,7 +125,15 @@ async def prometheus_metrics(request: Request) -> Response:
 async def ready(request: Request) -> JSONResponse:
     # Redis unreachable: 503 from the error handler.
     queue = request.app.state.store.queue
-    workers, queue_depth = await blocking(request, _live_workers, request.app.state.redis, queue)
+    connection = request.app.state.redis
+    try:
+        await blocking(request, connection.set, READY_PROBE_KEY, "1", READY_PROBE_TTL_S)
+    except RedisError as exc:
+        if (trouble := passing_redis_trouble(exc)) is None or trouble == "is unreachable":
+            raise
+        return error_response(503, f"Redis {trouble}: it refuses writes, so no job can be queued or finished",
+                              {"Retry-After": str(REDIS_RETRY_AFTER_S)})
+    workers, queue_depth = await blocking(request, _live_workers, connection, queue)
     if not workers:
         return error_response(503, f"no live worker on queue {request.app.state.settings.queue_name!r}")
     return JSONResponse({"status": "ready", "queue_depth": queue_depth, "workers": workers})

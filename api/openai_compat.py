@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from api.auth import ANYONE, Caller, authenticate
 from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
+from pagedq.redis_connection import passing_redis_trouble
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
@@ -373,7 +374,12 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
                 yield error(str(item), item.code, item.status)
                 return
             elif isinstance(item, Exception):
-                raise item
+                if (trouble := passing_redis_trouble(item)) is None:
+                    raise item
+                # The jobs go on: the client can retry, or read them by their seq_ids.
+                yield error(f"the job store (Redis) {trouble}: the stream cannot go on; retry later",
+                            "redis_unavailable", 503)
+                return
             else:
                 yield item
         tail = []

@@ -25,12 +25,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis as AsyncRedis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 from rq.job import Job
 
 from api.auth import Caller
+from pagedq.protocol import SSE_ERROR_EVENT, STREAM_RETRY_AFTER_S
+from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import (
     ENDED_KEY,
     TERMINAL,
@@ -131,9 +131,18 @@ class StreamHub:
         return False
 
     async def _take_in(self) -> None:
-        """Start the hub, or make its blocked XREAD return and read again with what was just added."""
-        if not self._start():
+        """Start the hub, or make its blocked XREAD return and read again with what was just
+        added. A Redis that refuses the wake-up write (out of memory, read-only) delays the
+        newcomer by one blocked read at most: the hub reads every follower's stream again
+        each `block_s`."""
+        if self._start():
+            return
+        try:
             await self._wake()
+        except RedisError as exc:
+            if passing_redis_trouble(exc) is None:
+                raise
+            log.info("stream hub: Redis %s; a new follower waits for the next read", passing_redis_trouble(exc))
 
     async def _drop_refused(self, cursors: dict[str, str], exc: ResponseError) -> None:
         """Read each stream alone (without blocking) and fail the followers of those Redis refuses."""
@@ -184,7 +193,7 @@ class StreamHub:
                             follower.cursor = new[-1][0]
                             follower.batches.put_nowait(new)
         except Exception as exc:  # Redis gone (or a bug): every follower learns of it, none hangs
-            if not isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            if passing_redis_trouble(exc) is None:
                 log.exception("stream hub failed")
             for followers in self._followers.values():
                 for follower in followers:
@@ -238,16 +247,19 @@ class StreamReader:
         """SSE frames: `delta` {index, text, num_tokens} (output `index`'s new text and its
         tokens generated so far; index > 0 only with n > 1), `reset`
         {attempt} (drop the text so far: a retry starts over), and a final `end` {status,
-        finish_reason}. Redis going away mid-stream ends the response without `end`: the
-        client reconnects with Last-Event-ID (and gets 503 until Redis is back)."""
+        finish_reason}. When Redis cannot serve the stream any more (unreachable, or
+        refusing this stream's read) the last frame is `error` {message, retry_after_s}:
+        the client reconnects with Last-Event-ID (and gets 503 until Redis is back)."""
         try:
             async for events in self.relay(seq_id, last_event_id or "0-0"):
                 # One chunk per batch: fewer, larger writes when many tokens arrive together.
                 yield "".join(_sse(kind, data, event_id) for kind, data, event_id in events)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("stream %s: Redis unreachable (%s); closing the stream", seq_id, exc)
-        except ResponseError as exc:
-            log.warning("stream %s: Redis refused its read (%s); closing the stream", seq_id, exc)
+        except RedisError as exc:
+            trouble = passing_redis_trouble(exc)
+            why = f"Redis {trouble}" if trouble is not None else f"Redis refused this stream's read ({exc})"
+            log.warning("stream %s: %s; closing the stream", seq_id, why)
+            yield _sse(SSE_ERROR_EVENT, {"message": f"the stream cannot go on: {why}; reconnect with Last-Event-ID",
+                                     "retry_after_s": STREAM_RETRY_AFTER_S})
 
     async def relay(self, seq_id: str, cursor: str = "0-0") -> AsyncIterator[list[Event]]:
         """The job's events after `cursor`, a batch at a time, until (and with) `end`."""

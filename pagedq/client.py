@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from pagedq.protocol import SSE_ERROR_EVENT
+
 BATCH_TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
@@ -110,13 +112,16 @@ class Client:
                     if response.status_code >= 400:
                         response.read()
                         raise self._error(response)
+                    reason = "the stream ended early"
                     for event, data, event_id in _parse_sse(response.iter_lines()):
+                        if event == SSE_ERROR_EVENT:  # the service cannot go on now: reconnect
+                            reason = data.get("message", reason)
+                            break
                         last_event_id = event_id or last_event_id
                         failures = 0
                         yield event, data
                         if event == "end":
                             return
-                reason = "the stream ended early"
             except httpx.TransportError as exc:
                 reason = str(exc) or type(exc).__name__
             failures += 1

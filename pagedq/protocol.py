@@ -6,6 +6,7 @@
   `worker.jobs.generate` / the batch worker read back (and hand to the engine with `add_to`).
 - `GenerationResult`: the job's return value, identical whichever worker ran it.
 - `ResultResponse`: GET /result's body, built from the above.
+- `SSE_ERROR_EVENT`: the GET /stream frame that says why a stream stops before its end.
 
 What lives in Redis (keys, job states, job.meta's progress, stream events) is pagedq.redis_schema's.
 """
@@ -28,6 +29,11 @@ if TYPE_CHECKING:
 
 # RQ job ids (our seq_ids) must match this.
 SEQ_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+# GET /stream's last frame when the stream cannot go on (Redis unavailable): {message,
+# retry_after_s}. The job goes on: reconnect with Last-Event-ID.
+SSE_ERROR_EVENT = "error"
+STREAM_RETRY_AFTER_S = 2
 
 
 class Message(ValidInput):

@@ -14,6 +14,8 @@ Two kinds of URL:
 
 Every pool can be bounded and blocking (`max_connections` + `timeout`): a caller beyond
 the bound waits for a free connection rather than failing at once.
+
+`passing_redis_trouble(exc)` is the one rule for which Redis errors pass on their own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ from redis.asyncio import ConnectionPool as AsyncConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 SENTINEL_SCHEME = "redis+sentinel"
@@ -147,3 +160,48 @@ def connect(url: str, **options: Any) -> Redis:
 
 def connect_async(url: str, **options: Any) -> AsyncRedis:
     return AsyncRedis.from_pool(async_connection_pool(url, **options))
+
+
+# Redis's refusals that pass once Redis recovers, by its error code: memory full under
+# noeviction (OOM), a replica or a demoted primary (READONLY), still loading its data
+# (LOADING), a script running too long (BUSY), failed snapshots refusing writes (MISCONF),
+# too few replicas to accept writes (NOREPLICAS), a primary lost (MASTERDOWN), a cluster
+# reconfiguring (TRYAGAIN, CLUSTERDOWN).
+_PASSING_CODES = {
+    "OOM": "is out of memory",
+    "READONLY": "is read-only (a replica, or a primary demoted by a failover)",
+    "LOADING": "is loading its data",
+    "BUSY": "is busy running a script",
+    "MISCONF": "refuses writes (it cannot save its snapshots)",
+    "NOREPLICAS": "has too few replicas to accept writes",
+    "MASTERDOWN": "has lost its primary",
+    "TRYAGAIN": "is reconfiguring",
+    "CLUSTERDOWN": "is reconfiguring",
+}
+
+
+# redis-py turns these codes into classes (and drops the code from the message).
+_PASSING_KINDS = (
+    (OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (MasterDownError, "MASTERDOWN"),
+    (TryAgainError, "TRYAGAIN"), (ClusterDownError, "CLUSTERDOWN"),
+)
+
+
+def passing_redis_trouble(exc: BaseException) -> str | None:
+    """Why Redis cannot serve right now, when `exc` is trouble that passes without the
+    caller changing anything (Redis unreachable, or refusing for a reason of its own: out
+    of memory, read-only, loading, busy...): what the api answers with 503 and Retry-After
+    and what a worker waits out, keeping its jobs. None for anything else (a bug, or the
+    caller's fault)."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        return "is unreachable" if not isinstance(exc, BusyLoadingError) else _PASSING_CODES["LOADING"]
+    for kind, code in _PASSING_KINDS:
+        if isinstance(exc, kind):
+            return _PASSING_CODES[code]
+    if isinstance(exc, ResponseError):
+        # Codes redis-py has no class for stay in the message.
+        message = str(exc)
+        # A pipeline's error reads "Command # 3 (EVAL ...) of pipeline caused error: OOM ...".
+        message = message.rpartition("caused error: ")[2] if "caused error: " in message else message
+        return _PASSING_CODES.get(message.split(" ", 1)[0])
+    return None

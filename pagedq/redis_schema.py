@@ -115,6 +115,12 @@ def cancels_key(queue_name: str) -> str:
     return f"pagedq:cancels:{queue_name}"
 
 
+# Written (and expiring at once) by every GET /ready: a Redis that refuses writes (out of
+# memory, read-only after a failover) is not ready, however well it answers reads.
+READY_PROBE_KEY = "pagedq:ready-probe"
+READY_PROBE_TTL_S = 5
+
+
 # ---- job event streams --------------------------------------------------------------
 
 

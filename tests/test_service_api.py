@@ -406,3 +406,18 @@ def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_s
             api.kill()
             api.wait()
 
+
+
+def test_a_stream_redis_cannot_read_ends_with_an_error_frame(client, redis_server):
+    """The stream says why it stops before its end (and the job goes on): an `error` frame
+    asking the client to reconnect, never a silent close."""
+    from pagedq.redis_schema import stream_key
+
+    seq_id = client.post("/generate", json={"prompt": "hi", "max_tokens": 4}).json()["seq_id"]
+    Redis.from_url(redis_server.url).set(stream_key(seq_id), "not a stream")  # every read of it is refused
+    with client.stream("GET", f"/stream/{seq_id}") as response:
+        body = response.read().decode()
+    assert response.status_code == 200
+    frames = [frame for frame in body.split("\n\n") if frame]
+    assert frames[-1].startswith("event: error") and "reconnect with Last-Event-ID" in frames[-1]
+    assert client.get(f"/result/{seq_id}").json()["status"] == "queued"

@@ -5,8 +5,10 @@ sharing one queue. Every job must finish exactly once, with the offline engine's
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
+import httpx
 import pytest
 import torch
 from redis import Redis
@@ -127,8 +129,62 @@ def test_redis_restart_keeps_queued_jobs_and_the_worker_resumes(service, model):
     resume(redis)
     wait_until(lambda: all(client.result(s)["status"] == "finished" for s in running + queued), 60, "all to finish")
     assert_finished_once(client, redis, running + queued, offline_greedy(model, requests))
-    assert "Redis unavailable" in worker.log()
+    assert "Redis is unreachable" in worker.log()
     assert worker.process.poll() is None and len(ready_workers(api.url)) == 1
+
+
+def test_redis_out_of_memory_pauses_the_service_and_loses_nothing(service, model):
+    """Redis refusing writes (maxmemory under noeviction) while jobs run: the worker waits
+    it out holding its jobs, the api answers 503 naming the cause (and keeps the client's
+    connection), a stream opened meanwhile carries on to its end, /ready says why; once
+    memory is freed every job finishes once, with the offline engine's tokens."""
+    client, redis_server, start_worker, api = service
+    redis = Redis.from_url(redis_server.url)
+    worker = start_worker()
+    worker_name = wait_for_worker(api.url)["name"]
+    requests = long_requests(6, max_tokens=300)
+    seq_ids = [client.submit(**body)["seq_id"] for body in requests]
+    wait_until(lambda: all(len(client.result(s)["token_ids"]) > 0 for s in seq_ids), 30, "all six running")
+
+    # A stream followed from before the pause, and (below) one opened during it: the hub
+    # that serves both cannot write its wake-up then.
+    events: dict[str, list] = {seq_ids[1]: [], seq_ids[2]: []}
+    readers = [Client(api.url, timeout_s=60) for _ in events]
+
+    def follow(reader: Client, seq_id: str) -> threading.Thread:
+        thread = threading.Thread(target=lambda: events[seq_id].extend(reader.events(seq_id)), daemon=True)
+        thread.start()
+        return thread
+
+    threads = [follow(readers[0], seq_ids[2])]
+    redis.config_set("maxmemory-policy", "noeviction")
+    redis.config_set("maxmemory", int(redis.info("memory")["used_memory"]) // 2)
+    try:
+        with httpx.Client(base_url=api.url, timeout=30) as http:
+            refused = http.post("/generate", json={"prompt": "hello", "max_tokens": 4})
+            assert refused.status_code == 503 and "out of memory" in refused.json()["message"]
+            assert refused.headers["Retry-After"]
+            # The same keep-alive connection serves the next request.
+            assert http.get("/health").status_code == 200
+            assert http.get(f"/result/{seq_ids[0]}").status_code == 200
+            ready = http.get("/ready")
+            assert ready.status_code == 503 and "refuses writes" in ready.json()["message"]
+        threads.append(follow(readers[1], seq_ids[1]))
+        time.sleep(3.0)
+        assert worker.process.poll() is None  # waiting, not dead
+    finally:
+        redis.config_set("maxmemory", 0)
+    for thread in threads:
+        thread.join(60)
+    for reader in readers:
+        reader.close()
+    wait_until(lambda: all(client.result(s)["status"] == "finished" for s in seq_ids), 60, "all six to finish")
+    assert_finished_once(client, redis, seq_ids, offline_greedy(model, requests))
+    for seq_id, seen in events.items():
+        assert seen[-1][0] == "end" and seen[-1][1]["status"] == "finished"
+        assert "".join(data["text"] for event, data in seen if event == "delta") == client.result(seq_id)["text"]
+    assert all(job.worker_name == worker_name for job in jobs(redis, seq_ids))  # never requeued
+    assert "out of memory" in worker.log()
 
 
 def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model):

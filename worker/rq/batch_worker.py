@@ -73,7 +73,7 @@ from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
-from pagedq.redis_connection import connect
+from pagedq.redis_connection import connect, passing_redis_trouble
 from pagedq.redis_schema import (
     JOB_FUNCTION,
     InvalidJob,
@@ -312,8 +312,13 @@ class BatchWorker(BaseWorker):
             while not (self._draining and (not self.inflight or time.monotonic() >= self._drain_deadline)):
                 try:
                     self._tick()
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-                    self.log.error("Worker %s: Redis unavailable (%s), retrying", self.name, exc)
+                except redis.exceptions.RedisError as exc:
+                    trouble = passing_redis_trouble(exc)
+                    if trouble is None:
+                        raise
+                    # Unreachable, out of memory, read-only after a failover, loading...: the
+                    # jobs stay ours and the engine waits; what was not written goes later.
+                    self.log.error("Worker %s: Redis %s (%s); retrying", self.name, trouble, exc)
                     # Heartbeats first once it is back, then a look at every job.
                     self._next_heartbeat = self._next_full_check = 0.0
                     time.sleep(_REDIS_RETRY_S)
@@ -448,16 +453,22 @@ class BatchWorker(BaseWorker):
         return pending
 
     def _run_sync(self, pipeline) -> tuple[list, list[_Started], Exception | None]:
-        """On the I/O thread: the round trip, then the start of the jobs it took. A Redis
-        error in the start comes back beside the round trip's replies: what the round
-        trip wrote is written (its text must not be sent twice); the ids taken but not
-        started are requeued by a reaper, as a dead worker's are."""
+        """On the I/O thread: the round trip, then the start of the jobs it took. Each
+        command's reply comes back on its own, a refusal in its place (raise_on_error
+        off): a script Redis refused wrote nothing (Redis refuses a script at its first
+        write, never half way), one it ran wrote everything, so each part is retried or
+        not by its own reply. A Redis error in the start comes back beside the replies;
+        the ids taken but not started are requeued by a reaper, as a dead worker's are."""
         with pipeline:
-            replies = pipeline.execute()
+            replies = pipeline.execute(raise_on_error=False)
+        if isinstance(replies[-1], Exception):
+            return replies, [], None
         taken = [as_text(i) for i in replies[-1][2]]
         try:
             return replies, self._start_jobs(taken) if taken else [], None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        except redis.exceptions.RedisError as exc:
+            if passing_redis_trouble(exc) is None:
+                raise
             return replies, [], exc
 
     def _complete_sync(self, pending: _PendingSync) -> bool:
@@ -467,13 +478,21 @@ class BatchWorker(BaseWorker):
         except BaseException:
             self.publisher.failed(pending.sending)
             raise
+        refusals = [reply for reply in replies if isinstance(reply, Exception)]
         at = 0
         lost_ids: list[str] = []
         if pending.sending.queued:
-            lost_ids = self.publisher.published(pending.sending, replies[at])
+            if isinstance(replies[at], Exception):
+                self.publisher.failed(pending.sending)  # nothing was written: sent again next time
+            else:
+                lost_ids = self.publisher.published(pending.sending, replies[at])
             at += 1
-        if pending.finishing:
+        if pending.finishing and not isinstance(replies[at], Exception):
+            # (Refused: the jobs keep their final output and are recorded by a later round trip.)
             self._record_successes(pending.finishing, replies[at])
+        if isinstance(replies[-1], Exception):
+            # Nothing learned of cancels or new jobs this time: the next round trip asks again.
+            raise _first_refusal(refusals)
         cancels, lost_positions, _, depths = replies[-1]
         self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, depths)}
         lost = {pending.checked[position - 1].request_id: pending.checked[position - 1] for position in lost_positions}
@@ -496,6 +515,8 @@ class BatchWorker(BaseWorker):
             self._hand_to_engine(item)
         if start_error is not None:
             raise start_error
+        if refusals:
+            raise _first_refusal(refusals)
         return bool(started)
 
     def _check_all(self, lost: dict[str, InFlight]) -> None:
@@ -743,6 +764,12 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline(transaction=False) as pipeline:
             queue_fenced_commands(pipeline, writes)
             return pipeline.execute()[0]
+
+
+def _first_refusal(refusals: list[Exception]) -> Exception:
+    """What to raise for a round trip Redis refused parts of: trouble that passes (the
+    work loop waits it out), unless one refusal is of another kind (a bug: raised)."""
+    return next((exc for exc in refusals if passing_redis_trouble(exc) is None), refusals[0])
 
 
 def _raised(exc: BaseException):
