@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import batches, files, native_routes, openai_compat
+from api import batches, files, native_routes, openai_compat, retention
 from api.auth import Keyring, install_key_redactor
 from api.body_limit import BodySizeLimit
 from api.errors import install_error_handlers
@@ -81,11 +81,12 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.blocking = blocking_limiter()
         app.state.files = FileStore(redis, settings)
         app.state.batches = batches.BatchStore(redis, settings, store, app.state.files, app.state.openai)
-        supervisor = asyncio.create_task(batches.supervise(app))
+        background = [asyncio.create_task(batches.supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
         yield
-        supervisor.cancel()
-        with suppress(asyncio.CancelledError):
-            await supervisor
+        for task in background:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
         await app.state.streams.hub.close()
         await app.state.aredis.aclose()
         redis.close()

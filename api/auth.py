@@ -89,10 +89,14 @@ def authenticate(request: Request, _: Annotated[HTTPAuthorizationCredentials | N
     return caller
 
 
-def authenticate_probe(request: Request) -> None:
-    """FastAPI dependency of /metrics and /ready: a key only when configured so."""
+def authenticate_probe(request: Request) -> Caller:
+    """FastAPI dependency of /metrics and /ready: a key only when configured so
+    (PAGEDQ_PROBES_REQUIRE_KEY). Then their counts, which span every tenant, are an admin
+    key's alone: a tenant key learns that the service is ready, nothing of the others'
+    work. Without keys on probes, the probes answer everyone (an operator's network)."""
     if request.app.state.keyring.probes_require_key:
-        authenticate(request)
+        return authenticate(request)
+    return ANYONE
 
 
 class KeyRedactor(logging.Filter):

@@ -50,7 +50,7 @@ from api.threads import blocking
 from pagedq.protocol import JobPayload
 from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state, tenant_batches_key
-from pagedq.request_rules import ValidInput
+from pagedq.request_rules import MAX_JSON_DEPTH, ValidInput, json_too_deep
 from pagedq.settings import Settings
 
 log = logging.getLogger("pagedq.api")
@@ -320,7 +320,12 @@ class BatchStore:
             if index < record.lines_read:
                 continue
             if raw.strip():
-                custom_id, error, payload = self._line(record, index, raw, seen)
+                try:
+                    custom_id, error, payload = self._line(record, index, raw, seen)
+                except Exception:  # a line's fault, whatever it is, is that line's error alone
+                    log.exception("batch %s: line %d could not be read", record.id, index + 1)
+                    custom_id, payload = None, None
+                    error = _error_line(record.id, index, None, "internal_error", f"line {index + 1}: could not be read")
                 seen.add(custom_id)
                 chunk.append((index, custom_id, error, payload))
             if len(chunk) >= _CHUNK_LINES:
@@ -335,6 +340,9 @@ class BatchStore:
 
     def _line(self, record: BatchRecord, index: int, raw: bytes, seen: set):
         """(custom_id, error line or None, job payload or None) of one input line."""
+        if json_too_deep(raw):
+            return None, _error_line(record.id, index, None, "invalid_json",
+                                     f"line {index + 1}: nested more than {MAX_JSON_DEPTH} levels deep"), None
         try:
             line = json.loads(raw)
         except ValueError as exc:

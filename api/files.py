@@ -178,7 +178,12 @@ class FileStore:
         id_range = self.connection.zrevrange if descending else self.connection.zrange
         start = 0
         if after is not None:
-            rank = (self.connection.zrevrank if descending else self.connection.zrank)(FILES_KEY, after)
+            # Only the caller's own file is a cursor: another tenant's id answers as an unknown
+            # one, or the listing would confirm that it exists (and when it was made).
+            cursor = self.get(after)
+            rank = None
+            if cursor is not None and caller.owns(cursor.owner):
+                rank = (self.connection.zrevrank if descending else self.connection.zrank)(FILES_KEY, after)
             if rank is None:
                 return [], False
             start = rank + 1

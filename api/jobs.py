@@ -31,6 +31,7 @@ from pagedq.redis_schema import (
     JobState,
     batch_queue_name,
     cancels_key,
+    expire_canceled,
     failure_line,
     job_state,
     publish_end,
@@ -41,14 +42,16 @@ from pagedq.settings import Settings
 # Cancels the given jobs that are still queued, and takes them out of their queue in one
 # pass over it (an LREM per job would scan a long batch queue once per job).
 # KEYS: the queue, its canceled registry, the job hashes. ARGV: the canceled status, the
-# queued status, now, the job ids.
+# queued status, now, how long a canceled job is kept (redis_schema.EXPIRE_CANCELED_SCRIPT),
+# the job ids.
 _CANCEL_QUEUED = """
 local gone, count = {}, 0
 for i = 3, #KEYS do
     if redis.call('HGET', KEYS[i], 'status') == ARGV[2] then
         redis.call('HSET', KEYS[i], 'status', ARGV[1])
-        redis.call('ZADD', KEYS[2], ARGV[3], ARGV[i + 1])
-        gone[ARGV[i + 1]] = true
+        redis.call('EXPIRE', KEYS[i], ARGV[4])
+        redis.call('ZADD', KEYS[2], ARGV[3], ARGV[i + 2])
+        gone[ARGV[i + 2]] = true
         count = count + 1
     end
 end
@@ -233,6 +236,7 @@ class JobStore:
             with self.connection.pipeline(transaction=False) as pipeline:
                 pipeline.incr(cancels_key(self.settings.queue_name))
                 publish_end(pipeline, seq_id, "canceled", self.settings.stream_ttl_s, finish_reason="abort")
+                expire_canceled(pipeline, [job.key], self.settings.result_ttl_s)
                 pipeline.execute()
         return self.snapshot(seq_id, caller)
 
@@ -256,7 +260,8 @@ class JobStore:
                 chunk = queued[start:start + _CANCEL_CHUNK]
                 self.connection.eval(
                     _CANCEL_QUEUED, 2 + len(chunk), queue_key, registry.key, *(job.key for job in chunk),
-                    JobStatus.CANCELED.value, JobStatus.QUEUED.value, time.time(), *(job.id for job in chunk),
+                    JobStatus.CANCELED.value, JobStatus.QUEUED.value, time.time(), self.settings.result_ttl_s,
+                    *(job.id for job in chunk),
                 )
         for job in running:
             try:
@@ -264,7 +269,10 @@ class JobStore:
             except InvalidJobOperation:
                 pass  # ended meanwhile
         if running:
-            self.connection.incr(cancels_key(self.settings.queue_name))
+            with self.connection.pipeline(transaction=False) as pipeline:
+                pipeline.incr(cancels_key(self.settings.queue_name))
+                expire_canceled(pipeline, [job.key for job in running], self.settings.result_ttl_s)
+                pipeline.execute()
 
     def outcome(self, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
         """A job's state, with its result when finished or its error when failed (the api's

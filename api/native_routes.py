@@ -117,12 +117,17 @@ async def stream(
 def health() -> dict:
     return {"status": "ok"}
 
-@router.get("/metrics", response_class=Response, dependencies=[Depends(authenticate_probe)])
-async def prometheus_metrics(request: Request) -> Response:
+Probe = Annotated[Caller, Depends(authenticate_probe)]
+
+
+@router.get("/metrics", response_class=Response)
+async def prometheus_metrics(request: Request, caller: Probe) -> Response:
+    if not caller.admin:
+        raise ApiError(403, "metrics span every tenant: they need an admin key (PAGEDQ_ADMIN_API_KEYS)")
     return Response(await blocking(request, request.app.state.metrics.exposition), media_type=CONTENT_TYPE)
 
-@router.get("/ready", responses={503: {"model": ErrorResponse}}, dependencies=[Depends(authenticate_probe)])
-async def ready(request: Request) -> JSONResponse:
+@router.get("/ready", responses={503: {"model": ErrorResponse}})
+async def ready(request: Request, caller: Probe) -> JSONResponse:
     # Redis unreachable: 503 from the error handler.
     queue = request.app.state.store.queue
     connection = request.app.state.redis
@@ -136,6 +141,8 @@ async def ready(request: Request) -> JSONResponse:
     workers, queue_depth = await blocking(request, _live_workers, connection, queue)
     if not workers:
         return error_response(503, f"no live worker on queue {request.app.state.settings.queue_name!r}")
+    if not caller.admin:
+        return JSONResponse({"status": "ready"})  # the queue and the engines hold every tenant's work
     return JSONResponse({"status": "ready", "queue_depth": queue_depth, "workers": workers})
 
 

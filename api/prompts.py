@@ -1,8 +1,20 @@
-"""Tokenizes prompts in the api and rejects what could never run, before anything is queued."""
+"""Tokenizes prompts in the api and rejects what could never run, before anything is queued.
+
+A prompt longer than any prompt of `max_model_len` tokens could be is refused by its length
+alone, before it is tokenized: no token covers more characters than the vocabulary's
+longest, so a text of more than max_model_len times that many characters cannot fit. A
+long text is first tokenized by its beginning only: when that already holds more tokens
+than the limit (give or take the word cut in two), the whole cannot fit either. So the
+work a prompt costs is bounded by the limit, not by its size. What is tokenized borrows one
+of a few tokenizer copies (a fast tokenizer is not safe to share between threads), so one
+long prompt holds one copy, never every other client's submit.
+"""
 
 from __future__ import annotations
 
-import threading
+import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pagedq.model_info import (
     PromptTooLong,
@@ -18,6 +30,14 @@ from pagedq.sampling_params import SamplingParams
 from pagedq.settings import Settings
 
 
+# Tokenizer copies: as many prompts are tokenized at once (a copy loads in well under a second).
+_TOKENIZER_COPIES = 4
+# A long prompt's beginning tokenized first: this many characters per allowed token (text
+# averages 3-5); and the tokens a word cut at that point may have more than when whole.
+_HEAD_CHARS_PER_TOKEN = 8
+_CUT_WORD_TOKENS = 64
+
+
 class PromptChecker:
     def __init__(self, settings: Settings):
         model = settings.require_model()
@@ -25,14 +45,37 @@ class PromptChecker:
         self.tokenizer = load_tokenizer(model)
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = resolve_max_model_len(hf_config, settings.max_model_len)
+        # Vocabulary entries are at least as long as the text their token covers (byte-level
+        # ones spell each byte as a character); twice that allows for normalizers.
+        longest_token = max(len(token) for token in self.tokenizer.get_vocab())
+        self.max_prompt_chars = 2 * self.max_model_len * longest_token
         self.max_prompt_tokens = settings.max_prompt_tokens
+        self.token_limit = min(self.max_model_len, self.max_prompt_tokens or self.max_model_len)
         # Checked once here (a bad value is the checkpoint's fault, not a request's).
         defaults = generation_defaults(model)
         self.generation_defaults = SamplingParams(**defaults).model_dump(include=set(defaults))
         # The workers' engines are built from the same settings.
         self.max_num_seqs = settings.max_num_seqs
-        # Fast tokenizers are not safe to share across the threadpool's threads.
-        self._lock = threading.Lock()
+        self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()
+        self._tokenizers.put(self.tokenizer)
+        for _ in range(_TOKENIZER_COPIES - 1):
+            self._tokenizers.put(load_tokenizer(model))
+
+    @contextmanager
+    def _borrowed(self) -> Iterator:
+        """A tokenizer copy no other thread uses meanwhile."""
+        tokenizer = self._tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._tokenizers.put(tokenizer)
+
+    def _check_chars(self, field: str, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise PromptTooLong(
+                f"{field}: {chars} characters, more than a prompt of the model's {self.max_model_len} tokens can hold "
+                f"({self.max_prompt_chars} characters at most)"
+            )
 
     def with_generation_defaults(self, request: GenerateRequest) -> GenerateRequest:
         """The request with the sampling fields it left out taken from the checkpoint's
@@ -60,9 +103,18 @@ class PromptChecker:
         return ids
 
     def _encode(self, text: str) -> list[int]:
+        self._check_chars("prompt", len(text))
         try:
-            with self._lock:
-                return self.tokenizer.encode(text)
+            with self._borrowed() as tokenizer:
+                head = _HEAD_CHARS_PER_TOKEN * self.token_limit
+                if len(text) > head:
+                    head_tokens = len(tokenizer.encode(text[:head]))
+                    if head_tokens > self.token_limit + _CUT_WORD_TOKENS:
+                        raise PromptTooLong(
+                            f"prompt: its first {head} of {len(text)} characters are already {head_tokens} tokens, "
+                            f"more than the limit of {self.token_limit}"
+                        )
+                return tokenizer.encode(text)
         except (TypeError, UnicodeError) as exc:  # schemas refuse lone surrogates; anything else the tokenizer refuses
             raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
@@ -70,15 +122,16 @@ class PromptChecker:
         """The messages through the checkpoint's chat template, as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
-        with self._lock:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
+        with self._borrowed() as tokenizer:
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         # transformers 5 answers a BatchEncoding, earlier versions a list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (a token that ends mid-character decodes to U+FFFD)."""
-        with self._lock:
-            return [self.tokenizer.decode([token_id]) for token_id in ids]
+        with self._borrowed() as tokenizer:
+            return [tokenizer.decode([token_id]) for token_id in ids]
 
     def _check_token_ids(self, field: str, ids: list[int]) -> None:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

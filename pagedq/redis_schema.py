@@ -109,6 +109,27 @@ def batch_queue_name(queue_name: str) -> str:
     return f"{queue_name}.batch"
 
 
+# A canceled job is kept as long as a finished one (the api's `result_ttl_s`), then expires
+# with everything it holds (prompt, partial text); RQ's cancel sets no TTL, and its registry
+# of canceled jobs is pruned by the api's retention sweep (api/retention.py).
+# KEYS: job hashes. ARGV: the canceled status, the TTL. Sets the TTL of those canceled and
+# without one; a job requeued instead (reaped after a stall) keeps none.
+EXPIRE_CANCELED_SCRIPT = """
+for i = 1, #KEYS do
+    if redis.call('HGET', KEYS[i], 'status') == ARGV[1] and redis.call('TTL', KEYS[i]) == -1 then
+        redis.call('EXPIRE', KEYS[i], ARGV[2])
+    end
+end
+return 0
+"""
+
+
+def expire_canceled(pipeline: Pipeline, job_keys: list[str], ttl_s: int) -> None:
+    if job_keys:
+        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+        pipeline.eval(EXPIRE_CANCELED_SCRIPT, len(job_keys), *job_keys, JobStatus.CANCELED.value, ttl_s)
+
+
 def cancels_key(queue_name: str) -> str:
     """A counter the api bumps on every cancel, so workers look for canceled jobs only
     when it changes instead of reading every in-flight job's status every engine step."""

@@ -49,6 +49,37 @@ class ValidInput(BaseModel):
         return value
 
 
+# JSON nested deeper than this is refused before it is parsed: Python's parser (and every
+# validator after it) recurses once per level, and a 20 kB line of brackets would exhaust
+# the stack. Real requests nest a handful of levels.
+MAX_JSON_DEPTH = 64
+
+
+def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a JSON text nests arrays and objects more than `limit` deep: one pass over
+    its characters, brackets inside strings not counted, no recursion."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
 def check_width(field: str, width: int, max_num_seqs: int) -> None:
     """A request runs its n samples (or beams) side by side in one engine; more than the
     engine's `max_num_seqs` could never be scheduled."""

@@ -103,6 +103,9 @@ class Settings(BaseSettings):
         16, ge=0, description="Of each worker's capacity, slots batch jobs never take (at least one is left to batches).",
     )
     batch_poll_interval_s: float = Field(2.0, gt=0, description="How often the api advances the batches in progress.")
+    retention_sweep_interval_s: float = Field(
+        600.0, gt=0, description="How often each api prunes the indexes that outlive expired jobs, files and batches.",
+    )
 
     # Job lifetimes.
     result_ttl_s: int = Field(24 * 3600, ge=1)

@@ -201,6 +201,8 @@ def test_cancel_a_queued_job_and_it_never_runs(service, client):
     result = client.result(seq_id)
     assert result["status"] == "canceled" and result["token_ids"] == [] and result["timings"]["started"] is None
     assert fetch(redis, seq_id).started_at is None
+    # Kept as long as a finished job, then gone with its prompt (RQ's cancel sets no TTL).
+    assert 0 < redis.ttl(fetch(redis, seq_id).key) <= api.settings.result_ttl_s
 
 
 def test_cancel_a_running_job_frees_its_blocks(service, client):
@@ -224,6 +226,7 @@ def test_cancel_a_running_job_frees_its_blocks(service, client):
     assert after["status"] == "canceled" and len(after["token_ids"]) < 900
     assert fetch(redis, seq_id).get_status() == "canceled"
     assert list(client.events(seq_id))[-1] == ("end", {"status": "canceled", "finish_reason": "abort"})
+    assert 0 < redis.ttl(fetch(redis, seq_id).key) <= api.settings.result_ttl_s
 
 
 def test_idempotent_resubmission_runs_once(service, client):

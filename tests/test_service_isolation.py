@@ -299,24 +299,26 @@ def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_s
 # ---- item 4: 500s that were the client's input ---------------------------------------------------
 
 
-def test_a_surrogate_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(service, http, model):
+def test_a_surrogate_or_deep_nesting_in_a_batch_line_fails_that_line_and_batch_keys_are_not_ids(service, http, model):
     lines = [
         {"custom_id": "fine", "method": "POST", "url": "/v1/completions",
          "body": {"model": model.name, "prompt": [5, 6, 7], "max_tokens": 3}},
         {"custom_id": "surrogate", "method": "POST", "url": "/v1/completions",
          "body": {"model": model.name, "prompt": "a\ud800b", "max_tokens": 3}},
     ]
-    content = "\n".join(json.dumps(line) for line in lines).encode()
+    # Nested 10,000 deep: once a RecursionError that failed the whole batch.
+    content = "\n".join([*(json.dumps(line) for line in lines), "[" * 10000 + "]" * 10000]).encode()
     upload = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=30)
     batch = http.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
                                                        "completion_window": "24h"}, timeout=60).json()
     assert batch["status"] == "in_progress", batch
     done = wait_until(lambda: (b := http.get(f"/v1/batches/{batch['id']}", timeout=30).json())["status"]
                       == "completed" and b, 60, "the batch to complete")
-    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     errors = [json.loads(line) for line in http.get(f"/v1/files/{done['error_file_id']}/content").text.splitlines()]
-    assert [e["custom_id"] for e in errors] == ["surrogate"]
+    assert [e["custom_id"] for e in errors] == ["surrogate", None]
     assert errors[0]["response"]["status_code"] == 400 and "surrogate" in errors[0]["response"]["body"]["error"]["message"]
+    assert errors[1]["error"]["code"] == "invalid_json" and "nested" in errors[1]["error"]["message"]
     for suffix in (":lines", ":outcomes", ":errors", ":lease"):
         assert http.get(f"/v1/batches/{batch['id']}{suffix}", timeout=10).status_code == 404
         assert http.post(f"/v1/batches/{batch['id']}{suffix}/cancel", timeout=10).status_code == 404
@@ -372,9 +374,21 @@ def test_two_keys_cannot_touch_each_others_jobs_files_or_batches(service, model)
         assert {upload["id"], done["output_file_id"]} <= listed[A["Authorization"]] <= listed[ADMIN["Authorization"]]
         assert not listed[B["Authorization"]] & listed[A["Authorization"]]
 
-        # Probes need a key here (PAGEDQ_PROBES_REQUIRE_KEY); liveness never does.
+        # A file-list cursor is the caller's own file or nothing: A's id, as B's cursor, answers
+        # as an unknown id (B has an older file it would list after A's otherwise).
+        http.post("/v1/files", headers=B, files={"file": ("b.jsonl", json.dumps(line).encode())}, data={"purpose": "batch"})
+        newer = http.post("/v1/files", headers=A, files={"file": ("a.jsonl", b"{}")}, data={"purpose": "batch"}).json()
+        unknown = http.get("/v1/files", headers=B, params={"after": "file-0000000000000000"}).json()
+        assert http.get("/v1/files", headers=B, params={"after": newer["id"]}).json() == unknown
+        assert unknown["data"] == [] and http.get("/v1/files", headers=B).json()["data"]
+
+        # Probes need a key here (PAGEDQ_PROBES_REQUIRE_KEY); liveness never does. Their counts
+        # span every tenant: a tenant key hears only that the service is ready.
         assert http.get("/metrics").status_code == 401 and http.get("/ready").status_code == 401
-        assert http.get("/metrics", headers=B).status_code == 200 and http.get("/ready", headers=B).status_code == 200
+        assert http.get("/metrics", headers=B).status_code == 403
+        assert http.get("/ready", headers=B).json() == {"status": "ready"}
+        assert http.get("/metrics", headers=ADMIN).status_code == 200
+        assert {"queue_depth", "workers"} <= set(http.get("/ready", headers=ADMIN).json())
         assert http.get("/health").status_code == 200
 
 

@@ -81,6 +81,7 @@ from pagedq.redis_schema import (
     RequestFailed,
     batch_queue_name,
     cancels_key,
+    expire_canceled,
     publish_end,
     queue_fenced_commands,
     record_execution,
@@ -600,6 +601,8 @@ class BatchWorker(BaseWorker):
         with self.connection.pipeline() as pipeline:
             for entry in lost:
                 self.cleanup_execution(entry.job, pipeline, entry.execution)
+            # Canceled through RQ itself (the api's cancels set this already): kept as long as a result.
+            expire_canceled(pipeline, [entry.job.key for entry in lost], self.settings.result_ttl_s)
             self._publish_engine_stats(pipeline)  # the freed blocks, now
             pipeline.execute()
         self.log.info("Worker %s: dropped %d canceled or reassigned jobs", self.name, len(lost))

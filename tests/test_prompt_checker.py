@@ -1,0 +1,83 @@
+"""The api's prompt checks cost what the model's limit allows, never what a client sends:
+a text too long for any prompt is refused by its length, a long one by the tokens of its
+beginning, and tokenizing one long prompt holds one tokenizer copy, never every other
+client's submit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from api.prompts import PromptChecker
+from pagedq.model_info import PromptTooLong
+from pagedq.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def checker(tiny_model_dir):
+    return PromptChecker(Settings(model=str(tiny_model_dir("llama"))))
+
+
+class Recording:
+    """A tokenizer that records the length of every text it encodes."""
+
+    def __init__(self, tokenizer, lengths: list[int]):
+        self.tokenizer, self.lengths = tokenizer, lengths
+
+    def encode(self, text: str):
+        self.lengths.append(len(text))
+        return self.tokenizer.encode(text)
+
+
+def recorded(checker: PromptChecker) -> list[int]:
+    """Swap every pooled copy for a recording one; the lengths they encode."""
+    lengths: list[int] = []
+    copies = [checker._tokenizers.get() for _ in range(4)]
+    for copy in copies:
+        checker._tokenizers.put(Recording(copy, lengths))
+    return lengths
+
+
+def test_a_text_too_long_for_any_prompt_is_refused_unread(checker):
+    lengths = recorded(checker)
+    with pytest.raises(PromptTooLong, match="characters"):
+        checker._encode("a" * (checker.max_prompt_chars + 1))
+    assert lengths == []
+
+
+def test_a_long_prompt_is_refused_by_the_tokens_of_its_beginning(checker):
+    lengths = recorded(checker)
+    text = ("lorem ipsum dolor sit amet " * checker.max_prompt_chars)[: checker.max_prompt_chars]
+    with pytest.raises(PromptTooLong, match="first"):
+        checker._encode(text)
+    # Only its beginning was tokenized: a few characters per token the limit allows.
+    assert lengths == [8 * checker.token_limit] and lengths[0] < len(text)
+    # One that fits is tokenized whole, as before.
+    assert checker._encode("lorem ipsum") == checker.tokenizer.encode("lorem ipsum")
+
+
+def test_one_prompt_being_tokenized_holds_one_copy_only(checker):
+    borrowed = threading.Barrier(4)
+    release = threading.Event()
+
+    def long_tokenization() -> None:
+        with checker._borrowed():
+            borrowed.wait(10)
+            release.wait(30)
+
+    others = [threading.Thread(target=long_tokenization) for _ in range(3)]
+    for thread in others:
+        thread.start()
+    try:
+        borrowed.wait(10)  # three copies are busy
+        result: list = []
+        short = threading.Thread(target=lambda: result.append(checker._encode("hello there")))
+        short.start()
+        short.join(10)
+        # The fourth copy serves it while the others are held.
+        assert result == [checker.tokenizer.encode("hello there")]
+    finally:
+        release.set()
+        for thread in others:
+            thread.join(10)

@@ -1,0 +1,58 @@
+"""Nothing in Redis lives forever unless asked: canceled jobs expire like finished ones
+(RQ's cancel sets no TTL), and the api's sweep prunes what outlives expired records (RQ's
+canceled registries, the indexes of files and batches)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis import Redis
+from rq.registry import CanceledJobRegistry
+
+from api.auth import ANYONE
+from api.jobs import JobStore
+from api.retention import sweep
+from pagedq.protocol import GenerateRequest
+from pagedq.redis_schema import BATCHES_KEY, FILES_KEY, batch_queue_name, tenant_batches_key
+from pagedq.redis_server import RedisServer
+from pagedq.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield Redis.from_url(server.url)
+    server.stop()
+
+
+def submit(store: JobStore, count: int) -> list[str]:
+    request = GenerateRequest(prompt="hi", max_tokens=4)
+    return [store.submit(request, [5, 6], None, owner=ANYONE.tenant)[0] for _ in range(count)]
+
+
+def test_canceled_queued_jobs_expire_one_by_one_and_in_bulk(redis, tiny_model_dir):
+    settings = Settings(model=str(tiny_model_dir("llama")), queue_name="retention", result_ttl_s=600)
+    store = JobStore(redis, settings)
+    alone, *bulk = submit(store, 4)
+    store.cancel(alone, ANYONE)
+    store.cancel_many(bulk)
+    for seq_id in [alone, *bulk]:
+        assert store.snapshot(seq_id, ANYONE).status == "canceled"
+        assert 0 < redis.ttl(f"rq:job:{seq_id}") <= 600
+    assert store.queue.count == 0
+
+
+def test_the_sweep_prunes_entries_older_than_their_records(redis, tiny_model_dir):
+    settings = Settings(model=str(tiny_model_dir("llama")), queue_name="sweep", result_ttl_s=100, files_ttl_s=1000)
+    now = time.time()
+    canceled = CanceledJobRegistry(batch_queue_name("sweep"), connection=redis).key
+    redis.zadd(canceled, {"old-job": now - 101, "new-job": now - 99})
+    for key in (FILES_KEY, BATCHES_KEY, tenant_batches_key("some-tenant")):
+        redis.zadd(key, {"old": now - 1001, "new": now - 999})
+    assert sweep(redis, settings) == 4
+    assert redis.zrange(canceled, 0, -1) == [b"new-job"]
+    for key in (FILES_KEY, BATCHES_KEY, tenant_batches_key("some-tenant")):
+        assert redis.zrange(key, 0, -1) == [b"new"]
