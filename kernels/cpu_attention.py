@@ -47,8 +47,13 @@ def _cpu_digest() -> str:
 
 
 def build_name(source: Path) -> str:
-    """One build per source text, flags and CPU, so no build overwrites another's cache entry."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:8]
+    """One build per source text, flags, CPU and source path, so no build overwrites
+    another's cache entry. The path counts because torch writes it into the build's
+    build.ninja: two checkouts of the same source sharing one entry rebuilt it (a minute
+    of compiling, under a lock every other process's start waits on) each time a process
+    of the other checkout started."""
+    identity = source.read_bytes() + " ".join(CFLAGS).encode() + str(source.resolve()).encode()
+    digest = hashlib.sha256(identity).hexdigest()[:8]
     return f"pagedq_cpu_attention_{digest}_{_cpu_digest()}"
 
 

@@ -17,11 +17,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
-from pagedq.redis_server import RedisServer, redis_url_or_start
+from pagedq.redis_server import RedisServer, free_port, redis_url_or_start
 from pagedq.settings import Settings
 
 _STOP_TIMEOUT_S = 20.0
@@ -56,11 +56,8 @@ class LocalService:
             except RuntimeError as exc:
                 raise StartupFailed(str(exc)) from None
             self.settings = self.settings.with_overrides(redis_url=redis_url)
-            env = {**os.environ, **self.settings.to_env()}
-            output = {"stdout": self.log, "stderr": subprocess.STDOUT} if self.log is not None else {}
             self.children = [
-                subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env={**env, **role_env}, start_new_session=True, **output)
-                for role, role_env in [("api", {})] + self._worker_envs()
+                spawn(role, self.settings, self.log, role_env) for role, role_env in [("api", {})] + self._worker_envs()
             ]
             self._wait_until_ready(ready_timeout_s, stopping)
         except BaseException:
@@ -138,6 +135,27 @@ class LocalService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def spawn(role: str, settings: Settings, log: IO | None = None, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`pagedq <role>` (api, worker) as a child configured by `settings` through the PAGEDQ_*
+    environment, in its own session (see the module's docstring). `log`: where its output
+    goes (default: this process's stdout/stderr)."""
+    env = {**os.environ, **settings.to_env(), **(extra_env or {})}
+    output = {"stdout": log, "stderr": subprocess.STDOUT} if log is not None else {}
+    return subprocess.Popen([sys.executable, "-m", "pagedq.cli", role], env=env, start_new_session=True, **output)
+
+
+def short_heartbeat_settings(model: Path | str, redis_url: str, cache_dir: Path, **overrides: Any) -> Settings:
+    """Settings for a throwaway local service (the service tests, `pagedq bench chaos`):
+    every value that matters is explicit, so PAGEDQ_* variables in the environment change
+    nothing, and heartbeats are short, so a lost worker's jobs are rerun within seconds."""
+    values = dict(
+        model=str(model), redis_url=redis_url, cache_dir=cache_dir, port=free_port(), device="cpu", api_keys=[],
+        tenant_keys={}, admin_api_keys=[],
+        heartbeat_ttl_s=6, reaper_interval_s=0.5, progress_interval_s=0.05, torch_threads=1,
+    )
+    return Settings(**{**values, **overrides})
 
 
 def default_model(cache_dir: Path, dtype: str) -> Path:

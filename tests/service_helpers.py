@@ -14,28 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 import uvicorn
 
 from api.app import create_app
 from rq.suspension import suspend
 
-from pagedq import LLM, SamplingParams
-from pagedq.redis_server import free_port
+# Imported by the tests from here.
+from pagedq.local_service import short_heartbeat_settings as service_settings  # noqa: F401
+from pagedq.reference import offline_greedy, offline_outputs  # noqa: F401
 from pagedq.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def service_settings(model: Path, redis_url: str, tmp: Path, **overrides: Any) -> Settings:
-    """Settings for a test service; every value that matters is explicit (PAGEDQ_* in the
-    environment cannot change a test), heartbeats short so recovery tests stay short."""
-    values = dict(
-        model=str(model), redis_url=redis_url, cache_dir=tmp, port=free_port(), device="cpu", api_keys=[],
-        tenant_keys={}, admin_api_keys=[],
-        heartbeat_ttl_s=6, reaper_interval_s=0.5, progress_interval_s=0.05, torch_threads=1,
-    )
-    return Settings(**{**values, **overrides})
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
@@ -106,32 +95,6 @@ def wait_for_worker(
         lambda: next((w for w in ready_workers(api_url, headers) if w["name"] not in name_not_in), None),
         timeout_s, "a worker to register",
     )
-
-
-def offline_outputs(model: Path, requests: list[dict]) -> list[list[list[int]]]:
-    """What pagedq's offline engine generates for these request bodies: each request's
-    outputs' token ids, with the worker's thread count so float reductions happen in the
-    same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(model=str(model), device="cpu")
-        prompts = [
-            {"prompt_token_ids": body["prompt_token_ids"]} if "prompt_token_ids" in body else body["prompt"]
-            for body in requests
-        ]
-        params = [
-            SamplingParams(**{key: value for key, value in body.items() if key in SamplingParams.model_fields})
-            for body in requests
-        ]
-        return [[list(c.token_ids) for c in out.outputs] for out in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        torch.set_num_threads(threads)
-
-
-def offline_greedy(model: Path, requests: list[dict]) -> list[list[int]]:
-    """Each request's first output's token ids from the offline engine."""
-    return [outputs[0] for outputs in offline_outputs(model, requests)]
 
 
 def suspend_workers(redis, api_url: str) -> None:

@@ -1,0 +1,80 @@
+"""`pagedq bench chaos` for two minutes, a fault every 15 s (every kind at least once):
+no job lost, duplicated or stuck, no 5xx but 503/504, every result the offline engine's.
+Run as the CLI runs it, in a process of its own, about three minutes in all on 2 cores.
+The checks themselves are shown to fail on records that break each invariant."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from redis import Redis
+
+from pagedq.chaos.checks import JobRecord, check_idempotency, check_jobs, check_texts, keys_without_ttl
+from pagedq.chaos.faults import FAULT_KINDS
+from pagedq.chaos.ledger import Ledger
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import REPO
+
+
+@pytest.mark.slow
+def test_a_two_minute_soak_under_faults_finds_no_violation(tiny_model_dir, tmp_path):
+    report_path = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pagedq.cli", "bench", "chaos", "--model", str(tiny_model_dir()), "--minutes", "2",
+               "--fault-every", "15", "--seed", "1", "--workdir", str(tmp_path), "--json", str(report_path)]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert report_path.exists(), finished.stdout[-3000:] + finished.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+
+    assert set(report["faults"]["counts"]) == set(FAULT_KINDS)
+    assert report["jobs"]["accepted"] > 100 and report["jobs"]["checked_against_offline"] > 100
+    assert report["violations"] == [], finished.stdout[-6000:]
+    assert finished.returncode == 0
+
+
+def job(seq_id: str, state: str, results: int, text: str = "", stream_ends: int = 1, error: str | None = None) -> JobRecord:
+    result = {"text": text, "token_ids": []} if state == "finished" else None
+    return JobRecord(seq_id, state, results, result, error, payload={}, stream_ends=stream_ends)
+
+
+def test_the_checks_find_lost_stuck_twice_ended_failed_and_uncanceled_jobs():
+    ledger = Ledger()
+    for seq_id in ("lost", "stuck", "twice", "uncanceled", "fine", "abandoned", "broken"):
+        ledger.accepted(seq_id, "generate-poll")
+    ledger.cancel_confirmed("uncanceled")
+    jobs = {record.seq_id: record for record in [
+        job("stuck", "queued", 0), job("twice", "finished", 2), job("uncanceled", "finished", 1), job("fine", "finished", 1),
+        job("abandoned", "failed", 1, error="Moved to FailedJobRegistry, due to AbandonedJobError"),  # retries used up
+        job("broken", "failed", 1, error="RuntimeError: boom"),
+        job("orphan", "running", 0, stream_ends=2),
+    ]}
+    found = [(violation.kind, violation.detail.split(" ")[0]) for violation in check_jobs(ledger, jobs)]
+    assert sorted(found) == [("cancel-not-kept", "uncanceled:"), ("ended-twice", "orphan"), ("ended-twice", "twice"),
+                             ("failed", "broken"), ("lost", "lost"), ("stuck", "orphan"), ("stuck", "stuck")]
+
+
+def test_the_checks_find_two_jobs_for_one_key_and_a_text_that_is_not_the_result():
+    ledger = Ledger()
+    ledger.accepted("a", "submit-twice", idempotency_key="k")
+    ledger.accepted("b", "submit-twice", idempotency_key="k")
+    ledger.received_text("a", "stream", "hello")
+    ledger.received_text("b", "stream", "hello")
+    jobs = {"a": job("a", "finished", 1, text="hello"), "b": job("b", "finished", 1, text="hell")}
+    assert [v.kind for v in check_idempotency(ledger)] == ["idempotency"]
+    assert [v.detail.split(" ")[0] for v in check_texts(ledger, jobs)] == ["b"]
+
+
+def test_keys_without_a_ttl_are_counted_by_pattern_rq_structures_left_out(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = Redis.from_url(server.url)
+        redis.hset("rq:job:idem-0123456789abcdef0123", "status", "canceled")
+        redis.hset("rq:job:4f2a9c1e8b7d6a5f4e3d2c1b0a998877", "status", "canceled")
+        redis.set("pagedq:stream:4f2a9c1e8b7d6a5f4e3d2c1b0a998877", "x", ex=60)  # expires: not reported
+        redis.incr("pagedq:cancels:pagedq")
+        redis.rpush("rq:queue:pagedq", "some-job")  # RQ's structure: lives as long as the queue
+        assert keys_without_ttl(redis) == ({"rq:job:{id}": 2}, {"pagedq:cancels:pagedq": 1})
+    finally:
+        server.stop()
