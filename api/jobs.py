@@ -15,7 +15,7 @@ import uuid
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue, Retry
-from rq.exceptions import InvalidJobOperation, NoSuchJobError
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.scripts import _build_hset_args
@@ -25,17 +25,18 @@ from api.auth import ANYONE, Caller
 from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
 from pagedq.redis_schema import (
     BODY_HASH_META_KEY,
+    ENDED_KEY,
+    ENDED_MAXLEN,
     JOB_FUNCTION,
     OWNER_META_KEY,
     InvalidJob,
     JobState,
     batch_queue_name,
     cancels_key,
-    expire_canceled,
     failure_line,
     job_state,
-    publish_end,
     read_progress,
+    stream_key,
 )
 from pagedq.settings import Settings
 
@@ -68,6 +69,35 @@ end
 return count
 """
 _CANCEL_CHUNK = 2000
+# Cancels one job in one step: a queued or running job becomes canceled (kept as long as a
+# result, in its queue's canceled registry, out of its queue), its stream ends and the
+# workers' cancel counter moves; a job that finished, failed or was canceled meanwhile is
+# left as it is. One script, so a worker finishing the job at that moment either wins (the
+# cancel finds it finished) or loses (its fenced success write finds it no longer started):
+# never both, never an "end" twice. (RQ's job.cancel() reads, then writes.)
+# KEYS: the job hash, its queue, its canceled registry, the cancel counter, its stream, the
+# stream of ends. ARGV: the job id, now, the job's TTL, the stream's TTL, the stream of
+# ends' length, the canceled status, then the statuses a job can be canceled from.
+# Returns the status the job had (false: no such job).
+_CANCEL_ONE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return false end
+local cancelable = false
+for i = 7, #ARGV do
+    if status == ARGV[i] then cancelable = true end
+end
+if not cancelable then return status end
+redis.call('HSET', KEYS[1], 'status', ARGV[6])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+redis.call('LREM', KEYS[2], 1, ARGV[1])
+redis.call('INCR', KEYS[4])
+redis.call('XADD', KEYS[5], '*', 'type', 'end', 'status', 'canceled', 'finish_reason', 'abort')
+redis.call('EXPIRE', KEYS[5], ARGV[4])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'seq_id', ARGV[1])
+return status
+"""
+_CANCELABLE = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED, JobStatus.STARTED)
 # One atomic step per submit: the duplicate check (Idempotency-Key), the queue-depth limit
 # and the enqueue, so N concurrent submits against room for k accept exactly k. Writes
 # what RQ's unique enqueue writes (the job hash from Job.to_dict(), its TTL, the push), and
@@ -224,26 +254,29 @@ class JobStore:
         job = self._fetch(seq_id, caller)
         if job is None:
             return None
-        state = job_state(job.get_status(refresh=False))
+        status = self._cancel(self.connection, job)
+        if status is None:
+            return None  # expired meanwhile
+        state = job_state(JobStatus(status.decode()))
         if state in ("finished", "failed"):
             raise AlreadyFinished(f"job {seq_id} already {state}; nothing to cancel")
-        if state != "canceled":
-            try:
-                job.cancel()
-            except InvalidJobOperation:
-                pass  # canceled concurrently: the outcome is the same
-            # A running job's worker notices within one engine step; the stream ends now.
-            with self.connection.pipeline(transaction=False) as pipeline:
-                pipeline.incr(cancels_key(self.settings.queue_name))
-                publish_end(pipeline, seq_id, "canceled", self.settings.stream_ttl_s, finish_reason="abort")
-                expire_canceled(pipeline, [job.key], self.settings.result_ttl_s)
-                pipeline.execute()
+        # A running job's worker notices within one engine step; the stream ended now.
         return self.snapshot(seq_id, caller)
 
+    def _cancel(self, client, job: Job):
+        """_CANCEL_ONE for one job, on a connection or a pipeline."""
+        queue = Queue(job.origin, connection=self.connection, serializer=JSONSerializer)
+        registry = CanceledJobRegistry(job.origin, connection=self.connection, serializer=JSONSerializer)
+        keys = [job.key, queue.key, registry.key, cancels_key(self.settings.queue_name), stream_key(job.id), ENDED_KEY]
+        args = [job.id, time.time(), self.settings.result_ttl_s, self.settings.stream_ttl_s, ENDED_MAXLEN,
+                JobStatus.CANCELED.value, *(status.value for status in _CANCELABLE)]
+        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+        return client.eval(_CANCEL_ONE, len(keys), *keys, *args)
+
     def cancel_many(self, seq_ids: list[str]) -> None:
-        """Cancel many jobs at once (a batch's lines): queued ones never run, running ones
-        are aborted by their worker within a step. No stream "end" events: relays notice
-        the canceled status by themselves."""
+        """Cancel many jobs at once (a batch's lines): queued ones never run (no stream
+        "end" events for them: relays notice the canceled status by themselves), running
+        ones are aborted by their worker within a step."""
         jobs = [job for job in Job.fetch_many(seq_ids, self.connection, serializer=JSONSerializer) if job is not None]
         running = []
         by_queue: dict[str, list[Job]] = {}
@@ -263,15 +296,10 @@ class JobStore:
                     JobStatus.CANCELED.value, JobStatus.QUEUED.value, time.time(), self.settings.result_ttl_s,
                     *(job.id for job in chunk),
                 )
-        for job in running:
-            try:
-                job.cancel()
-            except InvalidJobOperation:
-                pass  # ended meanwhile
         if running:
             with self.connection.pipeline(transaction=False) as pipeline:
-                pipeline.incr(cancels_key(self.settings.queue_name))
-                expire_canceled(pipeline, [job.key for job in running], self.settings.result_ttl_s)
+                for job in running:
+                    self._cancel(pipeline, job)  # a job that ended meanwhile stays as it ended
                 pipeline.execute()
 
     def outcome(self, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:

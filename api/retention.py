@@ -2,8 +2,9 @@
 
 Most keys expire by their own TTL: a job hash (with its prompt, partial result and, for
 `Idempotency-Key` submits, the key: the seq_id is derived from it) `result_ttl_s` after it
-finished, failed or was canceled (RQ's result and failure TTLs; redis_schema's
-expire_canceled for cancels, which RQ leaves without one); its stream `stream_ttl_s` after
+finished, failed or was canceled (RQ's result and failure TTLs; the api's cancel script
+sets it for cancels, which RQ leaves without one, and the worker for jobs canceled through
+RQ itself: redis_schema.expire_canceled); its stream `stream_ttl_s` after
 its last event; files and batch records `files_ttl_s` after they were made; the api's
 wake-up streams within a minute; `pagedq:ended` is capped in length. A queued job keeps
 no TTL: it waits for a worker however long that takes.

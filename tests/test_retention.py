@@ -11,7 +11,7 @@ from redis import Redis
 from rq.registry import CanceledJobRegistry
 
 from api.auth import ANYONE
-from api.jobs import JobStore
+from api.jobs import AlreadyFinished, JobStore
 from api.retention import sweep
 from pagedq.protocol import GenerateRequest
 from pagedq.redis_schema import BATCHES_KEY, FILES_KEY, batch_queue_name, tenant_batches_key
@@ -56,3 +56,21 @@ def test_the_sweep_prunes_entries_older_than_their_records(redis, tiny_model_dir
     assert redis.zrange(canceled, 0, -1) == [b"new-job"]
     for key in (FILES_KEY, BATCHES_KEY, tenant_batches_key("some-tenant")):
         assert redis.zrange(key, 0, -1) == [b"new"]
+
+
+def test_a_cancel_is_one_step_with_the_jobs_end(redis, tiny_model_dir):
+    """The chaos soak's race: a cancel that read "running" while the worker recorded the
+    result then canceled a finished job (two ends, a result kept). Now the check and the
+    cancel are one script: a finished job stays finished, with no second end."""
+    from pagedq.redis_schema import stream_key
+
+    settings = Settings(model=str(tiny_model_dir("llama")), queue_name="cancel-race")
+    store = JobStore(redis, settings)
+    finished, queued = submit(store, 2)
+    redis.hset(f"rq:job:{finished}", "status", "finished")  # the worker's success write won
+    with pytest.raises(AlreadyFinished):
+        store.cancel(finished, ANYONE)
+    assert redis.hget(f"rq:job:{finished}", "status") == b"finished" and redis.xlen(stream_key(finished)) == 0
+    store.cancel(queued, ANYONE)
+    store.cancel(queued, ANYONE)  # again: nothing more happens
+    assert [fields[b"status"] for _, fields in redis.xrange(stream_key(queued))] == [b"canceled"]
