@@ -48,6 +48,8 @@ _STREAM_ID = re.compile(r"^(\d{1,20})-(\d{1,20})$")
 # Each half of a Redis stream entry id is an unsigned 64-bit integer.
 _MAX_ID_PART = 2**64 - 1
 log = logging.getLogger("pagedq.api")
+# How often a stream tries again while Redis is in trouble.
+_OUTAGE_RETRY_S = 0.5
 
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
     head = f"id: {event_id}\n" if event_id else ""
@@ -209,9 +211,11 @@ class StreamHub:
 
 
 class StreamReader:
-    def __init__(self, connection: AsyncRedis, poll_s: float = 0.5):
+    def __init__(self, connection: AsyncRedis, poll_s: float = 0.5, outage_grace_s: float = 30.0):
         self.connection = connection
         self.poll_s = poll_s
+        # How long a stream waits out Redis trouble before it gives up (see relay()).
+        self.outage_grace_s = outage_grace_s
         self.hub = StreamHub(connection)
 
     async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
@@ -262,7 +266,28 @@ class StreamReader:
                                      "retry_after_s": STREAM_RETRY_AFTER_S})
 
     async def relay(self, seq_id: str, cursor: str = "0-0") -> AsyncIterator[list[Event]]:
-        """The job's events after `cursor`, a batch at a time, until (and with) `end`."""
+        """The job's events after `cursor`, a batch at a time, until (and with) `end`.
+        Redis trouble that passes (a restart, a failover, memory full) is waited out for up
+        to `outage_grace_s`, following on from the last event relayed, so a stream outlives
+        a Redis blip; a longer outage is raised."""
+        trouble_since: float | None = None
+        while True:
+            try:
+                async for events in self._relay_from(seq_id, cursor):
+                    trouble_since = None
+                    cursor = next((event_id for _, _, event_id in reversed(events) if event_id), cursor)
+                    yield events
+                return
+            except RedisError as exc:
+                trouble = passing_redis_trouble(exc)
+                now = time.monotonic()
+                trouble_since = trouble_since if trouble_since is not None else now
+                if trouble is None or now - trouble_since >= self.outage_grace_s:
+                    raise
+                log.info("stream %s: Redis %s; following on in a moment", seq_id, trouble)
+                await asyncio.sleep(_OUTAGE_RETRY_S)
+
+    async def _relay_from(self, seq_id: str, cursor: str) -> AsyncIterator[list[Event]]:
         async with self.hub.follow(seq_id, cursor) as batches:
             terminal_seen = False
             while True:
