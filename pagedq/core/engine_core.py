@@ -188,7 +188,7 @@ class EngineCore:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            self._end_sequences(request, "abort")
+            self._end_sequences(request)
             self.counters.requests_aborted += 1
 
     def report_failure(self, request_id: int, error: str) -> None:
@@ -205,7 +205,6 @@ class EngineCore:
             for seq in request.seqs:
                 if seq.index == index and not seq.is_finished:
                     self.scheduler.finish(seq)
-                    seq.finish_reason = "stop"
             self._retire_if_done(request)
 
     def _retire_if_done(self, request: CoreRequest) -> None:
@@ -214,9 +213,6 @@ class EngineCore:
         ):
             del self.requests[request.request_id]
             self.counters.requests_finished += 1
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
 
     def has_work(self) -> bool:
         """Requests to run, or a step still in flight to collect."""
@@ -525,7 +521,6 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
         self.scheduler.finish(seq)
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
         request = seq.request
         self._out.finished.append((request.request_id, seq.index, reason, stop_reason))
         if not request.stream:
@@ -537,12 +532,10 @@ class EngineCore:
         first = request.first_token_time if request.first_token_time is not None else time.time()
         self._out.completed.append((request.request_id, seq.index, seq.output_token_ids, first))
 
-    def _end_sequences(self, request: CoreRequest, reason: str) -> None:
-        request.finished = True
+    def _end_sequences(self, request: CoreRequest) -> None:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-                seq.finish_reason = reason
 
     def _fail_request(self, request: CoreRequest, error: str, exc: BaseException | None = None) -> None:
         """Something this request caused threw: it ends now (its blocks freed) and the
@@ -555,7 +548,7 @@ class EngineCore:
             for seq in request.seqs:
                 if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens:
                     self._complete(seq)  # what it made before it failed
-        self._end_sequences(request, "error")
+        self._end_sequences(request)
         del self.requests[request.request_id]
         self.counters.requests_failed += 1
         self._out.failed.append((request.request_id, error))
@@ -601,7 +594,6 @@ class EngineCore:
             for h in search.best()
         ]
         self._out.beams.append((request.request_id, best))
-        request.finished = True
         del self.requests[request.request_id]
         self.counters.requests_finished += 1
 

@@ -38,9 +38,8 @@ class SequenceStatus(enum.Enum):
 class CoreRequest:
     __slots__ = (
         "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
-        "num_cached_tokens", "beam_search", "branched", "finished", "error", "first_scheduled_time",
-        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "is_greedy", "has_penalties", "stream",
-        "first_token_time",
+        "num_cached_tokens", "beam_search", "branched", "error", "first_scheduled_time",
+        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "stream", "first_token_time",
     )
 
     def __init__(
@@ -70,20 +69,16 @@ class CoreRequest:
         # Whether the other outputs (or beams) have branched off the first sequence; until
         # then it holds scheduler slots for all of them.
         self.branched = False
-        self.finished = False
         self.error: str | None = None
         self.first_scheduled_time: float | None = None
         # Whether each step's tokens are reported (else each sequence's, when it ends).
         self.stream = stream
         self.first_token_time: float | None = None
-        self.has_penalties = (
-            params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-        )
+        penalties = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         # Needs its last token on the host before its next step: beam search picks the next
         # beams there, and penalties count output tokens there. Such a request sits out
         # the step after each of its steps (see EngineCore); every other request runs ahead.
-        self.sync = beam_search is not None or self.has_penalties
-        self.is_greedy = params.is_greedy
+        self.sync = beam_search is not None or penalties
         self.wants_logprobs = params.logprobs is not None
         # The length limit (vLLM checks it first): max_tokens, or the context's end.
         limit = params.max_tokens if params.max_tokens is not None else math.inf
@@ -104,7 +99,7 @@ class CoreRequest:
 class Sequence:
     __slots__ = (
         "request", "index", "uid", "token_ids", "num_prompt_tokens", "num_pending", "num_computed_tokens",
-        "status", "finish_reason", "stop_reason", "cumulative_logprob", "generator", "num_preemptions",
+        "status", "cumulative_logprob", "generator", "num_preemptions",
         "sort_key", "sample_step", "sample_row", "max_num_tokens", "params", "prompt_token_ids",
     )
 
@@ -127,8 +122,6 @@ class Sequence:
         # Positions whose KV is in the cache or being written by a step in flight.
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
         # Beams rank by it; kept for beams only (the front sums logprobs for the others).
         self.cumulative_logprob = 0.0
         # Set when params.seed is not None: the sequence's own random stream.

@@ -83,7 +83,7 @@ class SequenceState:
 
 class RequestState:
     __slots__ = (
-        "request_id", "core_id", "prompt", "prompt_token_ids", "params", "beam", "output_kind", "metrics",
+        "request_id", "core_id", "prompt", "prompt_token_ids", "output_kind", "metrics",
         "num_cached_tokens", "seqs", "error", "final_outputs", "finished", "num_ended",
     )
 
@@ -94,8 +94,6 @@ class RequestState:
         self.core_id = core_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.beam = beam
         self.output_kind = output_kind
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
