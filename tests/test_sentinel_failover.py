@@ -125,7 +125,7 @@ def test_failover_loses_and_repeats_nothing(sentinel_cluster, tiny_model_dir, tm
             seq_ids = before + after
             results = [client.wait(seq_id) for seq_id in seq_ids]
         assert in_flight > 0
-        assert "Redis unavailable" in worker.log()  # it did lose its primary mid-run
+        assert "Redis is unreachable" in worker.log()  # it did lose its primary mid-run
         assert [r["status"] for r in results] == ["finished"] * len(seq_ids), worker.log()[-3000:]
         assert [r["token_ids"] for r in results] == offline_greedy(model, bodies)
         jobs = Job.fetch_many(seq_ids, connection=redis, serializer=JSONSerializer)
