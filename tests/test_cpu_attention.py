@@ -50,9 +50,13 @@ def test_matches_reference(impl, case, group, head_dim, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_matches_reference(dtype):
-    batch = random_paged_batch(*CASES["prefill, chunk after cached prefix, decodes"], AttentionShape(6, 2, 64),
-                               dtype=dtype, unused_value=UNUSED)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 16), (2, 128, 32), (2, 40, 8)])
+def test_half_precision_matches_reference(dtype, case, group, head_dim, block_size):
+    # bfloat16 with head_dim 64 and 128 takes the kernel's bfloat16 dot products and split
+    # value rows (where the CPU has AVX512-BF16); 40 the generic path.
+    shape = AttentionShape(num_heads=2 * group, num_kv_heads=2, head_dim=head_dim)
+    batch = random_paged_batch(*CASES[case], shape, block_size=block_size, dtype=dtype, unused_value=UNUSED, seed=head_dim)
     got = paged_attention_cpu(*batch.attention_args())
     assert got.dtype == dtype
     torch.testing.assert_close(got, paged_attention_reference(*batch.attention_args()), atol=1.5e-2, rtol=1e-2)

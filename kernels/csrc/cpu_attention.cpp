@@ -11,7 +11,9 @@
 // is read once, sequentially, where it sits in the cache, and shared by every row and
 // head of the item, so decodes, prefills and chunks after a cached prefix run in one call
 // and no key or value is copied out of its block. Arithmetic is float32 whatever the
-// storage dtype; an FP8 cache is scaled back by k_scale / v_scale.
+// storage dtype (bfloat16 scores are exact products summed in float32 by VDPBF16PS where
+// the CPU has AVX512-BF16); an FP8 cache is scaled back by k_scale / v_scale. The next
+// block of a sequence is prefetched while one is worked on.
 //
 // Row r of an item sees the keys [0, first_pos + r]; with a sliding window W (> 0) the
 // lower bound rises to first_pos + r - W + 1 (as kernels.reference.outside_window), and
@@ -28,6 +30,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <immintrin.h>
 #include <type_traits>
 #include <vector>
 
@@ -150,35 +153,141 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// lane c of the result = the sum of v[c]'s lanes: 16 horizontal sums in 15 shuffle-add
+// pairs (each level halves the lanes per vector and doubles the vectors per register),
+// where one hsum per vector takes 4.
+inline vf transpose_sum(const vf* v) {
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+inline float hmax(vf v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// Scores of `seen` keys (rows `stride` elements apart) against one query, 16 keys at a
+// time: `part(c)` gives key c's products summed down to one vector, and transpose_sum turns
+// 16 such vectors into 16 scores. Returns the largest score.
+template <typename Part>
+inline float scores_by_16(Part part, int64_t seen, float scale, float* p) {
+  vf best = vf{} - FLT_MAX;
+  for (int64_t c0 = 0; c0 < seen; c0 += kLanes) {
+    const int64_t m = std::min(kLanes, seen - c0);
+    vf parts[kLanes];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < kLanes; ++c) parts[c] = c < m ? part(c0 + c) : vf{};
+    vf s = transpose_sum(parts) * scale;
+    if (m == kLanes) {
+      store(p + c0, s);
+    } else {
+      for (int64_t c = 0; c < m; ++c) p[c0 + c] = s[c];
+      for (int64_t c = m; c < kLanes; ++c) s[c] = -FLT_MAX;  // lanes past the last key
+    }
+    best = vmax(s, best);
+  }
+  return hmax(best);
+}
+
 // The two inner loops of attention for one query vector over one block's `seen` keys
-// (rows `stride` floats apart). With NC = head_dim / 16 known at compile time the query
-// and the accumulator stay in registers across keys; NC = 0 handles any head_dim.
+// (rows `stride` elements apart). With NC = head_dim / 16 known at compile time the query
+// stays in registers across keys; NC = 0 handles any head_dim. `q` is scaled already.
 template <int NC, typename R>
 inline float block_scores(const float* q, const R* k, int64_t stride, int64_t seen, int64_t D, float* p) {
-  float block_max = -FLT_MAX;
   if constexpr (NC > 0) {
     vf qr[NC];
     for (int i = 0; i < NC; ++i) qr[i] = load(q + i * kLanes);
-    for (int64_t c = 0; c < seen; ++c) {
-      const R* kc = k + c * stride;
-      vf part = qr[0] * load_row(kc);
-      for (int i = 1; i < NC; ++i) part += qr[i] * load_row(kc + i * kLanes);
-      p[c] = hsum(part);
-      block_max = std::max(block_max, p[c]);
-    }
+    return scores_by_16(
+        [&](int64_t c) {
+          const R* kc = k + c * stride;
+          vf part = qr[0] * load_row(kc);
+          for (int i = 1; i < NC; ++i) part += qr[i] * load_row(kc + i * kLanes);
+          return part;
+        },
+        seen, 1.f, p);
   } else {
+    float block_max = -FLT_MAX;
     for (int64_t c = 0; c < seen; ++c) {
       p[c] = dot(q, k + c * stride, D);
       block_max = std::max(block_max, p[c]);
     }
+    return block_max;
   }
-  return block_max;
+}
+
+#ifdef __AVX512BF16__
+// bfloat16 queries and keys multiplied as they are stored: VDPBF16PS forms 32 products a
+// step, exactly (a product of two bfloat16 fits a float32), summed in float32; the scale is
+// applied to the sums, so no rounding is added to the query. NC = head_dim / 16 as above.
+constexpr bool kHaveBf16Dots = true;
+
+template <int NC>
+inline float block_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t seen,
+                               float scale, float* p) {
+  static_assert(NC % 2 == 0, "head_dim must be a multiple of 32");
+  __m512bh qr[NC / 2];
+  for (int i = 0; i < NC / 2; ++i) qr[i] = (__m512bh)_mm512_loadu_si512(q + i * 2 * kLanes);
+  return scores_by_16(
+      [&](int64_t c) {
+        const c10::BFloat16* kc = k + c * stride;
+        __m512 part = _mm512_setzero_ps();
+        for (int i = 0; i < NC / 2; ++i) part = _mm512_dpbf16_ps(part, qr[i], (__m512bh)_mm512_loadu_si512(kc + i * 2 * kLanes));
+        return (vf)part;
+      },
+      seen, scale, p);
+}
+#else
+constexpr bool kHaveBf16Dots = false;
+#endif
+
+// bfloat16 value rows with NC even are accumulated in "split" order: each 32 elements of a
+// row as its 16 even elements, then its 16 odd ones. A 32-element load then becomes two
+// float32 vectors with one operation each (the even elements are the low halves of the
+// 32-bit lanes, shifted up; the odd ones the high halves, masked), where converting in
+// order takes a widening shuffle and a shift per 16. `split_index` maps a position of the
+// accumulator back to its element.
+template <typename R, int NC>
+constexpr bool kSplitRows = std::is_same_v<R, c10::BFloat16> && NC > 0 && NC % 2 == 0;
+
+inline int64_t split_index(int64_t i) {
+  const int64_t base = i / (2 * kLanes) * (2 * kLanes), lane = i % (2 * kLanes);
+  return base + (lane < kLanes ? 2 * lane : 2 * (lane - kLanes) + 1);
 }
 
 template <int NC, typename R>
 inline void block_values(const float* p, const R* v, int64_t stride, int64_t seen, int64_t D, float rescale,
                          float* a) {
-  if constexpr (NC > 0) {
+  if constexpr (kSplitRows<R, NC>) {
+    vf acc[NC];
+    for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
+    const vi high_half = vi{} + static_cast<int32_t>(0xFFFF0000u);
+    for (int64_t c = 0; c < seen; ++c) {
+      const vi* row = reinterpret_cast<const vi*>(v + c * stride);
+      for (int i = 0; i < NC / 2; ++i) {
+        vi pair;
+        __builtin_memcpy(&pair, row + i, sizeof(pair));  // unaligned
+        vi even = pair << 16, odd = pair & high_half;
+        acc[2 * i] += p[c] * reinterpret_cast<vf&>(even);
+        acc[2 * i + 1] += p[c] * reinterpret_cast<vf&>(odd);
+      }
+    }
+    for (int i = 0; i < NC; ++i) store(a + i * kLanes, acc[i]);
+  } else if constexpr (NC > 0) {
     vf acc[NC];
     for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
     for (int64_t c = 0; c < seen; ++c)
@@ -189,6 +298,12 @@ inline void block_values(const float* p, const R* v, int64_t stride, int64_t see
       for (int64_t d = 0; d < D; ++d) a[d] *= rescale;
     for (int64_t c = 0; c < seen; ++c) axpy(p[c], v + c * stride, a, D);
   }
+}
+
+template <typename T>
+inline void prefetch_block(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
 }
 
 // One work item: a sequence's query rows [row_begin, row_end), every head.
@@ -227,6 +342,9 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   const int64_t stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
   // Rows of the block as the inner loops read them: in place, or converted into k_buf / v_buf.
   using row_t = std::conditional_t<kInRegister<kv_t>, kv_t, float>;
+  // bfloat16 queries against bfloat16 rows: scores by VDPBF16PS where the CPU has it.
+  constexpr bool kBf16Dots = kHaveBf16Dots && std::is_same_v<row_t, c10::BFloat16> && NC > 0 && NC % 2 == 0;
+  const q_t* query_rows = query + (q_begin + item.row_begin) * H * D;
 
   scratch.resize(2 * vectors * D + 2 * vectors + vectors * bs + (kInRegister<kv_t> ? 0 : 2 * block_elems));
   float* q = scratch.data();        // [vectors, D], scaled
@@ -251,6 +369,12 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   for (int64_t c0 = first_low / bs * bs; c0 < num_keys; c0 += bs) {
     const int64_t n = std::min(bs, num_keys - c0);
     const int64_t block = table[c0 / bs];
+    // Blocks sit anywhere in the cache, so the hardware cannot guess the next one: ask for
+    // it while this one is worked on (a decode reads each block once, from memory).
+    if (c0 + bs < num_keys) {
+      prefetch_block(key_cache + table[c0 / bs + 1] * block_elems, block_elems);
+      prefetch_block(value_cache + table[c0 / bs + 1] * block_elems, block_elems);
+    }
     const row_t* keys;
     const row_t* values;
     if constexpr (kInRegister<kv_t>) {
@@ -272,7 +396,13 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
         const row_t* k = keys + low * stride + (h / G) * D;
         const row_t* v = values + low * stride + (h / G) * D;
         float* p = probs + j * bs;
-        const float block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
+        float block_max;
+#ifdef __AVX512BF16__
+        if constexpr (kBf16Dots)
+          block_max = block_scores_bf16<NC>(query_rows + j * D, k, stride, seen, scale * k_scale, p);
+        else
+#endif
+          block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
         const float new_max = std::max(run_max[j], block_max);
         const float rescale = std::exp(run_max[j] - new_max);  // 0 for the first block
         run_sum[j] = run_sum[j] * rescale + exp_shifted(p, seen, new_max);
@@ -285,7 +415,11 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
     // A row with no keys (a padded lane, seq_len 0) outputs zeros, as the reference does.
     const float norm = run_sum[j] > 0.f ? v_scale / run_sum[j] : 0.f;
     q_t* dst = out + (q_begin + item.row_begin) * H * D + j * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[j * D + d] * norm);
+    if constexpr (kSplitRows<row_t, NC>) {
+      for (int64_t i = 0; i < D; ++i) dst[split_index(i)] = static_cast<q_t>(acc[j * D + i] * norm);
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[j * D + d] * norm);
+    }
   }
 }
 
