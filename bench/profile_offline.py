@@ -1,7 +1,8 @@
 """Where the offline engine's time goes: one greedy pass over the `bench offline` workload
-(64 prompts, lengths 32-256) under cProfile, top functions by own time.
+(64 prompts, lengths 32-256) under cProfile, top functions by own time; with --ops, under
+torch.profiler instead, top operators (matmuls, kernels, elementwise ops) by own time.
 
-    .venv/bin/python bench/profile_offline.py --model /tmp/bench56 --threads 1 [--backend torch] [--dtype bfloat16]
+    .venv/bin/python bench/profile_offline.py --model /tmp/bench56 --threads 1 [--backend torch] [--dtype bfloat16] [--ops]
 
 One thread makes the split readable on a shared machine (each op's time is its own, not
 waits on a busy sibling thread). Model load and a short warm-up are not profiled.
@@ -27,6 +28,7 @@ parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--num-prompts", type=int, default=64)
 parser.add_argument("--max-len", type=int, default=256, help="prompt and output lengths are uniform in 32..this")
 parser.add_argument("--top", type=int, default=15)
+parser.add_argument("--ops", action="store_true", help="profile operators with torch.profiler instead of Python functions")
 args = parser.parse_args()
 
 torch.set_num_threads(args.threads)
@@ -37,13 +39,22 @@ params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n i
 prompts = [{"prompt_token_ids": p} for p in workload.prompts]
 llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)
 
-profile = cProfile.Profile()
 start = time.perf_counter()
-profile.enable()
-outputs = llm.generate(prompts, params, use_tqdm=False)
-profile.disable()
+if args.ops:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as ops:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+else:
+    python_profile = cProfile.Profile()
+    python_profile.enable()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    python_profile.disable()
 seconds = time.perf_counter() - start
 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 print(f"attention {llm.llm_engine.core_info.attention_backend}, {args.dtype}, {args.threads} threads: {tokens} tokens "
-      f"in {seconds:.2f} s = {tokens / seconds:.1f} tok/s (under cProfile); load average {os.getloadavg()[0]:.2f}")
-pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+      f"in {seconds:.2f} s = {tokens / seconds:.1f} tok/s (under the profiler); load average {os.getloadavg()[0]:.2f}")
+if args.ops:
+    print(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+else:
+    pstats.Stats(python_profile).sort_stats("tottime").print_stats(args.top)

@@ -3,9 +3,11 @@
 `get_attention_backend(name)` returns the pair (store_kv, paged_attention) with the
 signatures of `kernels.reference`, the plain oracle every implementation is tested
 against. "cpu" is the C++ kernel that reads the paged cache in place (kernels.cpu_attention,
-built at first use), the CPU engine's path; "torch" fused SDPA over gathered blocks
-(kernels.torch_attention), its pure-PyTorch fallback where the C++ kernel cannot be built;
-"triton" the GPU kernels. "auto" picks Triton on CUDA and cpu elsewhere.
+built at first use with the rest of kernels.cpu_extension), the CPU engine's path; "torch"
+fused SDPA over gathered blocks (kernels.torch_attention), its pure-PyTorch fallback where
+the C++ kernels cannot be built; "triton" the GPU kernels. "auto" picks Triton on CUDA and
+cpu elsewhere. The decoder's elementwise ops have their CPU kernels in
+kernels.cpu_elementwise.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def get_attention_backend(name: str, device_type: str) -> AttentionBackend:
     if name == "cpu":
         if device_type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {device_type}")
-        from kernels import cpu_attention
+        from kernels import cpu_attention, cpu_extension
 
-        if cpu_attention.load():
+        if cpu_extension.load():
             return AttentionBackend("cpu", cpu_attention.store_kv_cpu, cpu_attention.paged_attention_cpu)
         name = "torch"  # load() warned why
     if name == "torch":

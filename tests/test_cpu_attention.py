@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import get_attention_backend
-from kernels import cpu_attention
+from kernels import cpu_extension
 from kernels.cpu_attention import paged_attention_cpu, store_kv_cpu
 from kernels.reference import FP8_DTYPE, paged_attention_reference, store_kv_reference, to_cache
 from kernels.torch_attention import paged_attention_torch
@@ -22,7 +22,7 @@ from pagedq.bench.kernels import AttentionShape, random_paged_batch
 @pytest.fixture(scope="module", autouse=True)
 def built_kernel():
     # The C++ kernel must build wherever the suite runs (a compiler is part of the test setup).
-    assert cpu_attention.load(), "the C++ CPU attention kernel did not build; see the warning logged above"
+    assert cpu_extension.load(), "the C++ CPU kernels did not build; see the warning logged above"
 
 
 IMPLEMENTATIONS = {"cpu": paged_attention_cpu, "torch": paged_attention_torch}
@@ -124,24 +124,24 @@ def test_backends_cpu_by_default():
 def test_falls_back_to_pytorch_where_the_kernel_cannot_build(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this machine cannot build the kernel\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
-    cpu_attention.load.cache_clear()
+    monkeypatch.setattr(cpu_extension, "SOURCES", (broken,))
+    cpu_extension.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.cpu_attention"):
+        with caplog.at_level(logging.WARNING, logger="kernels.cpu_extension"):
             assert get_attention_backend("auto", "cpu").name == "torch"
-        assert "kernel is unavailable" in caplog.text
-        cpu_attention.load.cache_clear()
-        monkeypatch.setattr(cpu_attention, "SOURCE", cpu_attention.Path(cpu_attention.__file__).with_name("csrc") / "cpu_attention.cpp")
+        assert "kernels are unavailable" in caplog.text
+        monkeypatch.undo()
+        cpu_extension.load.cache_clear()
         monkeypatch.setenv("PAGEDQ_CPU_KERNEL", "0")
         assert get_attention_backend("auto", "cpu").name == "torch"
     finally:
-        cpu_attention.load.cache_clear()
+        cpu_extension.load.cache_clear()
 
 
 def test_the_kernel_is_built_with_openmp():
     """at::parallel_for is compiled into the extension: built without OpenMP it is a serial
     loop, and attention then ran on one thread whatever torch's thread count (it did, until
     -fopenmp). Built with it, the library calls libgomp's GOMP_parallel."""
-    assert cpu_attention.load()
-    (library,) = [p for p in torch.ops.loaded_libraries if cpu_attention.build_name(cpu_attention.SOURCE) in p]
+    assert cpu_extension.load()
+    (library,) = [p for p in torch.ops.loaded_libraries if cpu_extension.build_name() in p]
     assert b"GOMP_parallel" in Path(library).read_bytes()

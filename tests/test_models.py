@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import AttentionMetadata, get_attention_backend
+from kernels import AttentionMetadata, cpu_elementwise, get_attention_backend
 from worker.models import SUPPORTED_ARCHITECTURES, load_model
 from worker.models.rotary import inverse_frequencies, rope_parameters
 
@@ -115,6 +115,19 @@ def test_half_precision_close_to_transformers(tiny_model_dir, dtype):
     for ours, ref in ((prefill, ref_prefill), (decode, ref_decode)):
         assert torch.isfinite(ours).all()
         torch.testing.assert_close(ours, ref, rtol=0, atol=0.02 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pytorch_elementwise_path_equals_the_cpu_kernels(tiny_model_dir, tiny_arch, dtype, monkeypatch):
+    # The decoder's norms, rotary and SiLU-and-mul run as C++ kernels on the CPU and as
+    # PyTorch ops elsewhere (a GPU, PAGEDQ_CPU_KERNEL=0); both give the same logits.
+    model_dir = tiny_model_dir(tiny_arch)
+    fused = prefill_then_decode(model_dir, dtype)[:2]
+    monkeypatch.setattr(cpu_elementwise, "usable", lambda *tensors: False)
+    plain = prefill_then_decode(model_dir, dtype)[:2]
+    for ours, theirs in zip(fused, plain):
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=tolerance * theirs.abs().max())
 
 
 def test_sharded_checkpoint_loads(tiny_model_dir):

@@ -34,27 +34,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// GCC/Clang vector extensions: 16 float lanes, one AVX-512 register (two AVX2 ones
-// elsewhere). `vfu` is the unaligned flavour used to load rows from the cache.
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
-constexpr int64_t kLanes = 16;
-
-inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
-
-// Sum of the lanes by halving (4 shuffle-adds), not a 16-add serial chain.
-inline float hsum(vf v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
+using namespace pagedq_vec;
 
 template <typename T>
 inline float to_float(T x) {
@@ -69,13 +53,8 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
     return src;
   } else {
     int64_t i = 0;
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      for (; i + kLanes <= n; i += kLanes) {
-        vh bits = *reinterpret_cast<const vh*>(src + i);
-        vi wide = __builtin_convertvector(bits, vi) << 16;
-        store(buf + i, reinterpret_cast<vf&>(wide));
-      }
-    }
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      for (; i + kLanes <= n; i += kLanes) store(buf + i, load_float(src + i));
     for (; i < n; ++i) buf[i] = to_float(src[i]);
     return buf;
   }
@@ -88,22 +67,10 @@ template <typename T>
 constexpr bool kInRegister = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
 template <typename R>
-inline vf load_row(const R* p) {
-  if constexpr (std::is_same_v<R, float>) {
-    return load(p);
-  } else {
-    static_assert(std::is_same_v<R, c10::BFloat16>);
-    vh bits = *reinterpret_cast<const vh*>(p);
-    vi wide = __builtin_convertvector(bits, vi) << 16;
-    return reinterpret_cast<vf&>(wide);
-  }
-}
-
-template <typename R>
 inline float dot(const float* a, const R* b, int64_t n) {
   int64_t i = 0;
   vf acc = {};
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load_row(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load_float(b + i);
   float sum = hsum(acc);
   for (; i < n; ++i) sum += a[i] * to_float(b[i]);
   return sum;
@@ -112,28 +79,8 @@ inline float dot(const float* a, const R* b, int64_t n) {
 template <typename R>
 inline void axpy(float a, const R* x, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load_row(x + i));
+  for (; i + kLanes <= n; i += kLanes) store(y + i, load(y + i) + a * load_float(x + i));
   for (; i < n; ++i) y[i] += a * to_float(x[i]);
-}
-
-// exp(x) for x <= 0, 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
-// Taylor polynomial (relative error < 2e-7), 2^n built in the exponent bits.
-inline vf exp_nonpositive(vf x) {
-  x = x < -87.f ? vf{} - 87.f : x;  // e^-87 is near float's smallest normal; smaller rounds to it
-  const vf shifter = vf{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  vf n = x * 1.44269504088896341f + shifter;
-  n -= shifter;
-  vf r = x - n * 0.693145751953125f;
-  r -= n * 1.42860682030941723212e-6f;
-  vf p = vf{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * reinterpret_cast<vf&>(bits);
 }
 
 // s[i] = exp(s[i] - m); returns their sum.
@@ -215,8 +162,8 @@ inline float block_scores(const float* q, const R* k, int64_t stride, int64_t se
     return scores_by_16(
         [&](int64_t c) {
           const R* kc = k + c * stride;
-          vf part = qr[0] * load_row(kc);
-          for (int i = 1; i < NC; ++i) part += qr[i] * load_row(kc + i * kLanes);
+          vf part = qr[0] * load_float(kc);
+          for (int i = 1; i < NC; ++i) part += qr[i] * load_float(kc + i * kLanes);
           return part;
         },
         seen, 1.f, p);
@@ -291,7 +238,7 @@ inline void block_values(const float* p, const R* v, int64_t stride, int64_t see
     vf acc[NC];
     for (int i = 0; i < NC; ++i) acc[i] = load(a + i * kLanes) * rescale;
     for (int64_t c = 0; c < seen; ++c)
-      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load_row(v + c * stride + i * kLanes);
+      for (int i = 0; i < NC; ++i) acc[i] += p[c] * load_float(v + c * stride + i * kLanes);
     for (int i = 0; i < NC; ++i) store(a + i * kLanes, acc[i]);
   } else {
     if (rescale != 1.f)

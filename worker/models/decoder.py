@@ -18,7 +18,8 @@ from kernels import AttentionBackend, AttentionMetadata
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
 from worker.models.layers import Linear, MergedLinear, RMSNorm, activation
-from worker.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from kernels import cpu_elementwise
+from worker.models.rotary import PositionedRotary, RotaryEmbedding, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm = flags.qk_norm
         self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, backend, sliding_window)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: PositionedRotary, md: AttentionMetadata) -> torch.Tensor:
         num_tokens, a = x.shape[0], self.attn
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, a.num_heads, a.head_dim)
@@ -101,7 +102,7 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k)
         return self.o_proj(self.attn(q, k, v, md))
 
 
@@ -112,9 +113,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=flags.mlp_bias)
         self.down_proj = Linear(size, cfg.hidden_size, bias=flags.mlp_bias)
         self.act = activation(cfg.hidden_act)
+        self.silu = cfg.hidden_act in ("silu", "swish")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu and gate_up.dim() == 2 and gate_up.is_contiguous() and cpu_elementwise.usable(gate_up):
+            return self.down_proj(cpu_elementwise.silu_and_mul_cpu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -126,9 +131,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, flags)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, md)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: PositionedRotary,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added): each norm adds
+        the previous sublayer's output to the stream as it normalises (the first layer's
+        stream is the embedding itself)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rotary, md), residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -140,11 +153,11 @@ class DecoderStack(nn.Module):
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        cos, sin = self.rotary(positions)
-        h = self.embed_tokens(input_ids)
+        rotary = self.rotary.at(positions)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, cos, sin, md)
-        return self.norm(h)
+            h, residual = layer(h, residual, rotary, md)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
 class DecoderLM(CausalLM):

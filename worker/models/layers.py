@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_elementwise
+
 # Names as Hugging Face configs spell them (`hidden_act`, `activation_function`).
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -32,7 +34,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, the residual stream's next sum and the next sublayer's
+        input at once: (norm(x + residual), x + residual). On the CPU one kernel does either
+        in one pass (the fused one in place, into x and residual)."""
+        if x.is_contiguous() and (residual is None or residual.is_contiguous()) and cpu_elementwise.usable(x):
+            rows = x.view(-1, x.shape[-1])
+            if residual is None:
+                return cpu_elementwise.rms_norm_cpu(rows, self.weight, self.eps).view(x.shape)
+            cpu_elementwise.fused_add_rms_norm_cpu(rows, residual.view(-1, x.shape[-1]), self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, as the reference implementation
         # does, so half-precision results round the same way.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

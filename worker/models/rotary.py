@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_elementwise
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -76,6 +78,30 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for `positions`, shaped [T, 1, head_dim // 2] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def at(self, positions: torch.Tensor) -> "PositionedRotary":
+        return PositionedRotary(self, positions)
+
+
+class PositionedRotary:
+    """One forward's rotation, shared by its layers: on the CPU a kernel rotating q and k in
+    place from the tables; elsewhere the rows for the positions, gathered once (at the
+    first layer) and applied by `apply_rotary`."""
+
+    def __init__(self, table: RotaryEmbedding, positions: torch.Tensor):
+        self.table = table
+        self.positions = positions
+        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim] and k [T, kv_heads, head_dim] rotated (possibly in place)."""
+        if cpu_elementwise.usable(q, k) and q.dtype == self.table.cos.dtype:
+            cpu_elementwise.rotary_embedding_cpu(q, k, self.table.cos, self.table.sin, self.positions)
+            return q, k
+        if self.rows is None:
+            self.rows = self.table(self.positions)
+        cos, sin = self.rows
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,214 @@
+// The per-layer elementwise work of a Llama-style decoder in one pass each, for the CPU
+// engine: RMSNorm (with the residual add folded in), rotary embedding of q and k in place,
+// and SiLU(gate) * up. Each replaces a chain of 4-10 PyTorch ops whose dispatch, not
+// arithmetic, took the time at decode sizes.
+//
+// Same roundings as the PyTorch code they replace (worker/models/layers.py and rotary.py,
+// which mirror transformers): every intermediate that PyTorch materialises in the model
+// dtype is rounded to it here too, so bfloat16 results are identical and float32 ones
+// differ only where a sum is taken in another order. No fused multiply-adds: they would
+// skip a rounding PyTorch does.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace {
+
+using namespace pagedq_vec;
+
+template <typename T>
+inline float f32(T x) {
+  return static_cast<float>(x);
+}
+
+// x rounded to T and back: the value PyTorch holds after an op whose output is T.
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// Rows are split among threads only when there is enough work to pay for waking them.
+constexpr int64_t kElementsPerTask = 1 << 15;
+
+inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(kElementsPerTask / std::max<int64_t>(row_elements, 1), 1); }
+
+// y = round(round(x / rms(x)) * w): normalised in float32, cast to the model dtype, scaled by the weight.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* y, int64_t D, float eps) {
+  vf squares_v = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const vf v = load_float(x + d);
+    squares_v += v * v;
+  }
+  float squares = hsum(squares_v);
+  for (; d < D; ++d) squares += f32(x[d]) * f32(x[d]);
+  const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(D) + eps);
+  for (d = 0; d + kLanes <= D; d += kLanes) store_as(y + d, round_to<T>(load_float(x + d) * inv_rms) * load_float(w + d));
+  for (; d < D; ++d) y[d] = static_cast<T>(rounded<T>(f32(x[d]) * inv_rms) * f32(w[d]));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              op, ": x [rows, D] contiguous, weight [D] of x's dtype");
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  check_rows(x, weight, "rms_norm");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: out must be like x");
+  const int64_t rows = x.size(0), D = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(D), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(in + r * D, w, y + r * D, D, static_cast<float>(eps));
+    });
+  });
+}
+
+// residual += x (rounded as PyTorch's add), then x = rms_norm(residual) * weight: the
+// residual stream and the next sublayer's input in one pass.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "fused_add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must be like x");
+  const int64_t rows = x.size(0), D = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(D), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* res_row = res + r * D;
+        const scalar_t* in_row = in + r * D;
+        int64_t d = 0;
+        for (; d + kLanes <= D; d += kLanes) store_as(res_row + d, load_float(res_row + d) + load_float(in_row + d));
+        for (; d < D; ++d) res_row[d] = static_cast<scalar_t>(f32(res_row[d]) + f32(in_row[d]));
+        norm_row(res + r * D, w, in + r * D, D, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// One head's row rotated by the half-split (GPT-NeoX / Hugging Face) convention:
+// (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to T.
+template <typename T>
+inline void rotate_row(T* row, const T* cos, const T* sin, int64_t half) {
+  int64_t i = 0;
+  for (; i + kLanes <= half; i += kLanes) {
+    const vf x1 = load_float(row + i), x2 = load_float(row + i + half), c = load_float(cos + i), s = load_float(sin + i);
+    store_as(row + i, round_to<T>(x1 * c) - round_to<T>(x2 * s));
+    store_as(row + i + half, round_to<T>(x2 * c) + round_to<T>(x1 * s));
+  }
+  for (; i < half; ++i) {
+    const float x1 = f32(row[i]), x2 = f32(row[i + half]), c = f32(cos[i]), s = f32(sin[i]);
+    row[i] = static_cast<T>(rounded<T>(x1 * c) - rounded<T>(x2 * s));
+    row[i + half] = static_cast<T>(rounded<T>(x2 * c) + rounded<T>(x1 * s));
+  }
+}
+
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1,
+              "rotary_embedding: ", name, " must be [tokens, heads, head_dim] on the CPU with contiguous rows");
+}
+
+// q [T, H, D] and k [T, KH, D] (views into the qkv projection's output are fine: rows
+// need only be contiguous) rotated in place by the rows of the cos / sin tables
+// [max_positions, D / 2] at `positions` [T].
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  const int64_t tokens = q.size(0), D = q.size(2), half = D / 2;
+  TORCH_CHECK(k.size(0) == tokens && k.size(2) == D && D % 2 == 0, "rotary_embedding: q and k must share tokens and an even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(1) == half && cos.scalar_type() == q.scalar_type() && k.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "rotary_embedding: cos and sin [max_positions, head_dim / 2] of q's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens,
+              "rotary_embedding: positions int64 [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_positions = cos.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions, "rotary_embedding: position ", pos[t], " outside the table of ", max_positions);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const int64_t heads = q.size(1), kv_heads = k.size(1);
+    at::parallel_for(0, tokens, grain_rows((heads + kv_heads) * D), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* ct = c + pos[t] * half;
+        const scalar_t* st = s + pos[t] * half;
+        for (int64_t h = 0; h < heads; ++h) rotate_row(qp + t * q.stride(0) + h * q.stride(1), ct, st, half);
+        for (int64_t h = 0; h < kv_heads; ++h) rotate_row(kp + t * k.stride(0) + h * k.stride(1), ct, st, half);
+      }
+    });
+  });
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:], silu rounded to the dtype first as PyTorch's
+// `F.silu(gate) * up` does.
+void silu_and_mul(const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul: x [tokens, 2 * I] contiguous on the CPU");
+  const int64_t rows = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == I && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: out [tokens, I] of x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    scalar_t* y = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(2 * I), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * 2 * I;
+        const scalar_t* up = gate + I;
+        scalar_t* out_row = y + r * I;
+        int64_t i = 0;
+        for (; i + kLanes <= I; i += kLanes) {
+          const vf g = load_float(gate + i);
+          // silu(g) = g / (1 + e^-g), from e = e^-|g| (which cannot overflow): g / (1 + e)
+          // for g >= 0, g e / (1 + e) below.
+          const vf e = exp_nonpositive(g < 0 ? g : -g);
+          const vf silu = (g < 0 ? g * e : g) / (1.f + e);
+          store_as(out_row + i, round_to<scalar_t>(silu) * load_float(up + i));
+        }
+        for (; i < I; ++i) {
+          const float g = f32(gate[i]);
+          out_row[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * f32(up[i]));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedq_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
+  m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedq_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("fused_add_rms_norm", fused_add_rms_norm);
+  m.impl("rotary_embedding", rotary_embedding);
+  m.impl("silu_and_mul", silu_and_mul);
+}
