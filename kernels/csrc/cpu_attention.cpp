@@ -40,11 +40,6 @@ namespace {
 
 using namespace pagedq_vec;
 
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
 // A cache or query row in float32: float rows are used where they are, others are
 // converted into `buf` (bf16 by widening its bits, 16 at a time).
 template <typename T>

@@ -26,11 +26,6 @@ namespace {
 
 using namespace pagedq_vec;
 
-template <typename T>
-inline float f32(T x) {
-  return static_cast<float>(x);
-}
-
 // x rounded to T and back: the value PyTorch holds after an op whose output is T.
 template <typename T>
 inline float rounded(float x) {
@@ -52,10 +47,10 @@ inline void norm_row(const T* x, const T* w, T* y, int64_t D, float eps) {
     squares_v += v * v;
   }
   float squares = hsum(squares_v);
-  for (; d < D; ++d) squares += f32(x[d]) * f32(x[d]);
+  for (; d < D; ++d) squares += to_float(x[d]) * to_float(x[d]);
   const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(D) + eps);
   for (d = 0; d + kLanes <= D; d += kLanes) store_as(y + d, round_to<T>(load_float(x + d) * inv_rms) * load_float(w + d));
-  for (; d < D; ++d) y[d] = static_cast<T>(rounded<T>(f32(x[d]) * inv_rms) * f32(w[d]));
+  for (; d < D; ++d) y[d] = static_cast<T>(rounded<T>(to_float(x[d]) * inv_rms) * to_float(w[d]));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -97,7 +92,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
         const scalar_t* in_row = in + r * D;
         int64_t d = 0;
         for (; d + kLanes <= D; d += kLanes) store_as(res_row + d, load_float(res_row + d) + load_float(in_row + d));
-        for (; d < D; ++d) res_row[d] = static_cast<scalar_t>(f32(res_row[d]) + f32(in_row[d]));
+        for (; d < D; ++d) res_row[d] = static_cast<scalar_t>(to_float(res_row[d]) + to_float(in_row[d]));
         norm_row(res + r * D, w, in + r * D, D, static_cast<float>(eps));
       }
     });
@@ -115,7 +110,7 @@ inline void rotate_row(T* row, const T* cos, const T* sin, int64_t half) {
     store_as(row + i + half, round_to<T>(x2 * c) + round_to<T>(x1 * s));
   }
   for (; i < half; ++i) {
-    const float x1 = f32(row[i]), x2 = f32(row[i + half]), c = f32(cos[i]), s = f32(sin[i]);
+    const float x1 = to_float(row[i]), x2 = to_float(row[i + half]), c = to_float(cos[i]), s = to_float(sin[i]);
     row[i] = static_cast<T>(rounded<T>(x1 * c) - rounded<T>(x2 * s));
     row[i + half] = static_cast<T>(rounded<T>(x2 * c) + rounded<T>(x1 * s));
   }
@@ -189,8 +184,8 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
           store_as(out_row + i, round_to<scalar_t>(silu) * load_float(up + i));
         }
         for (; i < I; ++i) {
-          const float g = f32(gate[i]);
-          out_row[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * f32(up[i]));
+          const float g = to_float(gate[i]);
+          out_row[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * to_float(up[i]));
         }
       }
     });

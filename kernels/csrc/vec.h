@@ -9,6 +9,11 @@
 
 namespace pagedq_vec {
 
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
 // GCC/Clang vector extensions: 16 float lanes, one AVX-512 register (two AVX2 ones
 // elsewhere). `vfu` is the unaligned flavour used to load rows from the cache.
 typedef float vf __attribute__((vector_size(64)));
