@@ -246,12 +246,10 @@ inline void block_values(const float* p, const R* v, int64_t stride, int64_t see
 // the whole next block at 64 decodes of 512 keys).
 constexpr int64_t kPrefetchAhead = 1;
 
-// Slice `part` of `parts` of the n elements at p, in cache lines, asked for.
-template <typename T>
-inline void prefetch_slice(const T* p, int64_t n, int64_t part, int64_t parts) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  const int64_t lines = (n * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  for (int64_t line = lines * part / parts; line < lines * (part + 1) / parts; ++line) __builtin_prefetch(bytes + 64 * line);
+// Cache lines [first, end) of the bytes at p asked for.
+inline void prefetch_lines(const void* p, int64_t first, int64_t end) {
+  const char* bytes = static_cast<const char*>(p);
+  for (int64_t line = first; line < end; ++line) __builtin_prefetch(bytes + 64 * line);
 }
 
 // One work item: a sequence's query rows [row_begin, row_end), every head.
@@ -288,6 +286,9 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   const int32_t* table = block_tables + item.seq * sh.table_stride;
   const int64_t block_elems = bs * sh.num_kv_heads * D;
   const int64_t stride = sh.num_kv_heads * D;  // between consecutive tokens of one head
+  // A block's cache lines, and the share of them asked for ahead while each head is worked on.
+  const int64_t block_lines = (block_elems * static_cast<int64_t>(sizeof(kv_t)) + 63) / 64;
+  const int64_t lines_per_head = (block_lines + H - 1) / H;
   // Rows of the block as the inner loops read them: in place, or converted into k_buf / v_buf.
   using row_t = std::conditional_t<kInRegister<kv_t>, kv_t, float>;
   // bfloat16 queries against bfloat16 rows: scores by VDPBF16PS where the CPU has it.
@@ -321,7 +322,9 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
     // the one kPrefetchAhead blocks on while this one is worked on (a decode reads each
     // block once, from memory), a slice per head, so the requests are spread among the
     // work instead of one burst the memory system cannot queue.
-    const int64_t ahead = c0 + kPrefetchAhead * bs < num_keys ? table[c0 / bs + kPrefetchAhead] : -1;
+    const bool ahead = c0 + kPrefetchAhead * bs < num_keys;
+    const kv_t* ahead_keys = ahead ? key_cache + table[c0 / bs + kPrefetchAhead] * block_elems : nullptr;
+    const kv_t* ahead_values = ahead ? value_cache + table[c0 / bs + kPrefetchAhead] * block_elems : nullptr;
     const row_t* keys;
     const row_t* values;
     if constexpr (kInRegister<kv_t>) {
@@ -338,14 +341,18 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
       const int64_t low = window > 0 ? std::clamp<int64_t>(first_pos + r - window + 1 - c0, 0, n) : 0;
       if (high <= low) continue;
       const int64_t seen = high - low;
-      for (int64_t h = 0; h < H; ++h) {
-        if (ahead >= 0 && r == rows - 1) {
-          prefetch_slice(key_cache + ahead * block_elems, block_elems, h, H);
-          prefetch_slice(value_cache + ahead * block_elems, block_elems, h, H);
+      // Query head h reads KV head kv = h / G, counted rather than divided (a 64-bit
+      // division per head cost as much as a quarter of a block's bookkeeping).
+      for (int64_t h = 0, kv = 0, in_group = 0; h < H; ++h) {
+        if (ahead && r == rows - 1) {
+          const int64_t first = h * lines_per_head, end = std::min(first + lines_per_head, block_lines);
+          prefetch_lines(ahead_keys, first, end);
+          prefetch_lines(ahead_values, first, end);
         }
         const int64_t j = r * H + h;
-        const row_t* k = keys + low * stride + (h / G) * D;
-        const row_t* v = values + low * stride + (h / G) * D;
+        const row_t* k = keys + low * stride + kv * D;
+        const row_t* v = values + low * stride + kv * D;
+        if (++in_group == G) in_group = 0, ++kv;
         float* p = probs + j * bs;
         float block_max;
 #ifdef __AVX512BF16__
