@@ -362,7 +362,9 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
 #endif
           block_max = block_scores<NC>(q + j * D, k, stride, seen, D, p);
         const float new_max = std::max(run_max[j], block_max);
-        const float rescale = std::exp(run_max[j] - new_max);  // 0 for the first block
+        // 0 for the first block; 1 without a call to exp when the maximum stands (most blocks
+        // after the first few: exp was a tenth of a decode's time).
+        const float rescale = new_max == run_max[j] ? 1.f : std::exp(run_max[j] - new_max);
         run_sum[j] = run_sum[j] * rescale + exp_shifted(p, seen, new_max);
         run_max[j] = new_max;
         block_values<NC>(p, v, stride, seen, D, rescale, acc + j * D);
