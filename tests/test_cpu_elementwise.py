@@ -21,13 +21,14 @@ def built_kernels():
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    """float32: equal to rounding; half types: within one unit in the last place, and almost
-    every element identical (a kernel rounding at other points than PyTorch differs in many)."""
+    """float32: equal to rounding; half types: within two units in the last place (a last-bit
+    difference before a rounding step can become one after it), and almost every element
+    identical (a kernel rounding at other points than PyTorch differs in about a quarter)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         return
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=8e-3)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1.6e-2)
     assert (got == want).float().mean() > 0.99
 
 

@@ -6,9 +6,7 @@
 // Same roundings as the PyTorch code they replace (worker/models/layers.py and rotary.py,
 // which mirror transformers): every intermediate that PyTorch materialises in the model
 // dtype is rounded to it here too, so bfloat16 results are identical and float32 ones
-// differ only where a sum is taken in another order. No fused multiply-adds: they would
-// skip a rounding PyTorch does.
-#pragma GCC optimize("fp-contract=off")
+// differ only where a sum is taken in another order (or, for SiLU, by exp's last bit).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,13 +104,13 @@ inline void rotate_row(T* row, const T* cos, const T* sin, int64_t half) {
   int64_t i = 0;
   for (; i + kLanes <= half; i += kLanes) {
     const vf x1 = load_float(row + i), x2 = load_float(row + i + half), c = load_float(cos + i), s = load_float(sin + i);
-    store_as(row + i, round_to<T>(x1 * c) - round_to<T>(x2 * s));
-    store_as(row + i + half, round_to<T>(x2 * c) + round_to<T>(x1 * s));
+    store_as(row + i, materialized(round_to<T>(x1 * c)) - materialized(round_to<T>(x2 * s)));
+    store_as(row + i + half, materialized(round_to<T>(x2 * c)) + materialized(round_to<T>(x1 * s)));
   }
   for (; i < half; ++i) {
     const float x1 = to_float(row[i]), x2 = to_float(row[i + half]), c = to_float(cos[i]), s = to_float(sin[i]);
-    row[i] = static_cast<T>(rounded<T>(x1 * c) - rounded<T>(x2 * s));
-    row[i + half] = static_cast<T>(rounded<T>(x2 * c) + rounded<T>(x1 * s));
+    row[i] = static_cast<T>(materialized(rounded<T>(x1 * c)) - materialized(rounded<T>(x2 * s)));
+    row[i + half] = static_cast<T>(materialized(rounded<T>(x2 * c)) + materialized(rounded<T>(x1 * s)));
   }
 }
 
@@ -180,7 +178,7 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
           // silu(g) = g / (1 + e^-g), from e = e^-|g| (which cannot overflow): g / (1 + e)
           // for g >= 0, g e / (1 + e) below.
           const vf e = exp_nonpositive(g < 0 ? g : -g);
-          const vf silu = (g < 0 ? g * e : g) / (1.f + e);
+          const vf silu = (g < 0 ? g * e : g) * reciprocal(1.f + e);
           store_as(out_row + i, round_to<scalar_t>(silu) * load_float(up + i));
         }
         for (; i < I; ++i) {

@@ -4,6 +4,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <type_traits>
 
@@ -71,11 +73,17 @@ inline vf load_float(const T* p) {
   }
 }
 
-// bfloat16 bits of 16 floats, rounded to nearest even as c10::BFloat16 rounds (NaN kept a NaN).
-inline vi bf16_bits(vf v) {
+// 16 floats rounded to bfloat16 (nearest even, as c10::BFloat16 rounds): one VCVTNEPS2BF16
+// where the CPU has AVX512-BF16 (which also flushes denormals, below 1.2e-38, to zero),
+// else in integer steps (NaN kept a NaN).
+inline vh to_bf16(vf v) {
+#ifdef __AVX512BF16__
+  return (vh)_mm512_cvtneps_pbh((__m512)v);
+#else
   vi bits = reinterpret_cast<vi&>(v);
   vi rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
-  return v != v ? vi{} + 0x7FC0 : rounded & 0xFFFF;
+  return __builtin_convertvector(v != v ? vi{} + 0x7FC0 : rounded & 0xFFFF, vh);
+#endif
 }
 
 // v rounded to T and back to float32: the value a PyTorch op with output dtype T holds.
@@ -84,7 +92,7 @@ inline vf round_to(vf v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    vi bits = bf16_bits(v) << 16;
+    vi bits = __builtin_convertvector(to_bf16(v), vi) << 16;
     return reinterpret_cast<vf&>(bits);
   } else {
     for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(static_cast<T>(v[i]));
@@ -97,10 +105,41 @@ inline void store_as(T* p, vf v) {
   if constexpr (std::is_same_v<T, float>) {
     store(p, v);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    *reinterpret_cast<vh*>(p) = __builtin_convertvector(bf16_bits(v), vh);
+    *reinterpret_cast<vh*>(p) = to_bf16(v);
   } else {
     for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(v[i]);
   }
+}
+
+// v as computed, kept from being fused into a following add (an FMA would skip the
+// rounding of the product that PyTorch's separate multiply does).
+inline vf materialized(vf v) {
+#ifdef __AVX512F__
+  asm("" : "+v"(v));  // one register
+#else
+  asm("" : "+m"(v));
+#endif
+  return v;
+}
+
+inline float materialized(float x) {
+#ifdef __x86_64__
+  asm("" : "+x"(x));
+#else
+  asm("" : "+m"(x));
+#endif
+  return x;
+}
+
+// 1 / x: the 14-bit reciprocal and a Newton step (relative error ~1e-7) where the CPU has
+// AVX-512, a division (several times slower) elsewhere.
+inline vf reciprocal(vf x) {
+#ifdef __AVX512F__
+  vf r = (vf)_mm512_rcp14_ps((__m512)x);
+  return r * (2.f - x * r);
+#else
+  return 1.f / x;
+#endif
 }
 
 }  // namespace pagedq_vec

@@ -1,4 +1,4 @@
-"""`pagedq bench {offline,serve,host,kernels,prefix-cache,submit,chaos}`: each subcommand's module brings its own arguments
+"""`pagedq bench {offline,serve,host,kernels,cpu-kernels,prefix-cache,submit,chaos}`: each subcommand's module brings its own arguments
 (`add_arguments(parser)`) and entry point (`run(args) -> int`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "serve": ("pagedq.bench.serve", "online latency and throughput through the HTTP service"),
     "host": ("pagedq.bench.host", "the engine's host cost per step, the forward taken out"),
     "kernels": ("pagedq.bench.kernels", "paged attention kernel timings"),
+    "cpu-kernels": ("pagedq.bench.cpu_kernels", "the CPU engine's C++ kernels, each beside what it replaces"),
     "prefix-cache": ("pagedq.bench.prefix_cache", "requests sharing a long prefix, prefix caching off vs on"),
     "submit": ("pagedq.bench.submit", "how fast the api accepts jobs: N concurrent POST /generate"),
     "chaos": ("pagedq.bench.chaos", "a soak under faults: no job lost, duplicated or stuck"),
