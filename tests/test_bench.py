@@ -278,3 +278,23 @@ def test_host_bench_measures_decode_steps_by_phase(model_dir, tmp_path, capsys):
 def test_breakdown_needs_the_core_in_this_process(model_dir, capsys):
     assert main(bench_offline(model_dir, "--peers", "pagedq", "--breakdown", "--core-process")) == 1
     assert "--breakdown" in capsys.readouterr().err
+
+
+def test_cpu_kernels_bench_checks_attention_and_times_each_op_beside_pytorch(tmp_path, capsys):
+    report = tmp_path / "cpu.json"
+    args = ["bench", "cpu-kernels", "--models", "bench-56m", "--dtypes", "float32", "bfloat16", "--batch-sizes", "2,3",
+            "--context", "40", "--repeats", "2", "--json", str(report)]
+    assert main(args) == 0
+    record = json.loads(report.read_text())
+    assert [(a["dtype"], a["batch"]) for a in record["attention"]] == [
+        ("float32", 2), ("float32", 3), ("bfloat16", 2), ("bfloat16", 3)]
+    # Each timed decode was first checked against the reference attention.
+    assert all(a["max_abs_error"] < (1e-5 if a["dtype"] == "float32" else 2e-2) for a in record["attention"])
+    assert {e["op"] for e in record["elementwise"]} == {"add + rms_norm", "rotary q, k", "silu_and_mul"}
+    assert all(e["fused_us"] > 0 and e["pytorch_us"] > 0 and e["tokens"] == 3 for e in record["elementwise"])
+    assert "pytorch / fused" in capsys.readouterr().out
+
+
+def test_cpu_kernels_bench_refuses_a_bad_count(capsys):
+    assert main(["bench", "cpu-kernels", "--context", "0"]) == 2
+    assert "--context" in capsys.readouterr().err

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from kernels import cpu_extension
 
     if args.context < 1 or args.repeats < 1 or args.threads < 1:
-        raise CommandError("--context, --repeats and --threads must be >= 1")
+        raise CommandError("--context, --repeats and --threads must be >= 1", exit_code=2)
     if not cpu_extension.load():
         raise CommandError("the C++ CPU kernels could not be built here (see the warning above)")
     torch.set_num_threads(args.threads)
