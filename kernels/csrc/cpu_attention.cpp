@@ -30,7 +30,6 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <immintrin.h>
 #include <type_traits>
 #include <vector>
 

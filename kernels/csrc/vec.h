@@ -4,7 +4,9 @@
 
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 intrinsics, used only where the compiler targets them
+#endif
 
 #include <cstdint>
 #include <type_traits>
