@@ -25,6 +25,7 @@ DEFAULT_REDUCE_TEMPLATE = (
     "Combine them into one concise summary.\n\n{text}"
 )
 TEXT_FIELD = "{text}"
+DEFAULT_MAX_TOKENS = 256
 
 
 class SummarizeOptions(BaseModel):
@@ -36,7 +37,8 @@ class SummarizeOptions(BaseModel):
     reduce_template: str = Field(DEFAULT_REDUCE_TEMPLATE,
                                  description="Prompt that combines partial summaries; {text} is them, blank-line separated.")
     chat: bool = Field(False, description="Send the prompts through the model's chat template as the user's message.")
-    max_tokens: int = Field(256, ge=1, description="Tokens each summary (partial or final) may have.")
+    max_tokens: int | None = Field(None, ge=1, description="Tokens each summary (partial or final) may have. "
+                                   f"Default: {DEFAULT_MAX_TOKENS}, or what the model's context leaves room for.")
     temperature: float | None = Field(None, ge=0, description="Default: the checkpoint's generation config.")
     overlap_tokens: int = Field(32, ge=0, description="Tokens each chunk repeats from the end of the one before.")
 

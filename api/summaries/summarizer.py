@@ -9,7 +9,7 @@ from api.prompts import PromptChecker
 from api.summaries.chunking import cut_strengths, plan_chunks
 from api.summaries.prompts import SEPARATOR, frame
 from pagedq.protocol import GenerateRequest, JobPayload
-from pagedq.summaries import SummarizeOptions
+from pagedq.summaries import DEFAULT_MAX_TOKENS, SummarizeOptions
 
 # A map prompt must leave the text at least this many tokens.
 MIN_CHUNK_TOKENS = 16
@@ -31,26 +31,30 @@ class Summarizer:
                 self.separator = tokenizer.encode(SEPARATOR, add_special_tokens=False)
         except ValueError as exc:
             raise InvalidOptions(f"summary.{exc}") from None
-        room = checker.token_limit - options.max_tokens  # what a prompt may take
+        # The most a summary may have for a reduce prompt to hold two (see part_budget below).
+        most = (checker.token_limit - self.reduce_frame.overhead) // 3 - len(self.separator) - 1
+        self.max_tokens = options.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, most))
+        room = checker.token_limit - self.max_tokens  # what a prompt may take
         self.chunk_budget = room - self.map_frame.overhead
         # Each partial summary may fill half a reduce prompt, so a reduce always combines at
         # least two and every stage at least halves what is left.
         self.part_budget = (room - self.reduce_frame.overhead) // 2 - len(self.separator)
         if self.chunk_budget < MIN_CHUNK_TOKENS:
             raise InvalidOptions(
-                f"summary.max_tokens: {options.max_tokens} output tokens and the map template's "
+                f"summary.max_tokens: {self.max_tokens} output tokens and the map template's "
                 f"{self.map_frame.overhead} leave {self.chunk_budget} of the model's {checker.token_limit} tokens "
                 f"for each chunk, fewer than {MIN_CHUNK_TOKENS}")
-        if self.part_budget < options.max_tokens:
+        if self.part_budget < self.max_tokens:
             raise InvalidOptions(
                 f"summary.max_tokens: a reduce prompt of the model's {checker.token_limit} tokens cannot hold two "
-                f"summaries of {options.max_tokens} tokens and the reduce template's {self.reduce_frame.overhead}; "
-                f"ask for at most {(checker.token_limit - self.reduce_frame.overhead) // 3} tokens")
+                f"summaries of {self.max_tokens} tokens and the reduce template's {self.reduce_frame.overhead}; "
+                f"ask for at most {most} tokens")
 
     def chunks(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The document's token ids and the spans of its chunks."""
         with self.checker.borrowed() as tokenizer:
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            # verbose=False: a document is meant to be longer than the model's context; no warning.
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
         return ids, plan_chunks(cut_strengths(text, offsets), self.chunk_budget, self.options.overlap_tokens)
 
@@ -73,6 +77,6 @@ class Summarizer:
 
     def payload(self, prompt_token_ids: list[int]) -> JobPayload:
         fields = {"temperature": self.options.temperature} if self.options.temperature is not None else {}
-        request = GenerateRequest(prompt_token_ids=prompt_token_ids, max_tokens=self.options.max_tokens,
+        request = GenerateRequest(prompt_token_ids=prompt_token_ids, max_tokens=self.max_tokens,
                                   priority=self.priority, **fields)
         return JobStore.payload(self.checker.with_generation_defaults(request), prompt_token_ids, stream=False)
