@@ -87,7 +87,8 @@ def register(subparsers) -> None:
     _result_flags(results)
     results.set_defaults(handler=cmd_results)
 
-    cancel = commands.add_parser("cancel", help="cancel a batch: queued requests never run, running ones stop")
+    cancel = commands.add_parser("cancel", help="cancel a batch: queued requests never run, running ones stop",
+                                 description="Cancel a batch; it ends as cancelled once its running requests stop.")
     client_flags(cancel)
     cancel.add_argument("batch_id", help="the id `batch submit` printed")
     cancel.set_defaults(handler=cmd_cancel)
