@@ -91,7 +91,9 @@ def check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len:
     that could not run to its max_tokens is refused before it is queued."""
     needed = prompt_tokens + (max_tokens or 1)
     if needed > max_model_len:
+        # Without max_tokens, the one output token the prompt must leave room for.
+        output = f"max_tokens {max_tokens}" if max_tokens else "1 output token"
         raise PromptTooLong(
-            f"prompt: {prompt_tokens} tokens + max_tokens {max_tokens or 1} = {needed}, "
+            f"prompt: {prompt_tokens} tokens + {output} = {needed}, "
             f"more than the model's context length of {max_model_len} (max_model_len)"
         )

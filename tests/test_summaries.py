@@ -6,6 +6,7 @@ mid-run. Exit codes and messages tell the truth about failed documents."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import time
@@ -89,6 +90,9 @@ def test_cli_summarizes_documents_of_any_length_in_stages(service, summarizer, t
     Path("docs/short.txt").write_text("The meeting moved to Tuesday.\n")
     Path("docs/empty.txt").write_text("  \n")
     Path("docs/notes.jsonl").write_text(json.dumps({"id": "note-1", "text": document(3, seed=2)}) + "\n")
+    without_pypdf = importlib.util.find_spec("pypdf") is None
+    if without_pypdf:
+        Path("docs/scan.pdf").write_bytes(b"%PDF-1.4\n")  # read only with the pdf extra (pypdf), else skipped
     url = service.api.url
     argv = ["batch", "submit", "--summarize", "docs", "--max-tokens", "8", "--temperature", "0", "--url", url]
     assert main([*argv, "--wait", "-o", "out.jsonl", "--markdown", "md"]) == 1  # one document failed: said
@@ -96,6 +100,8 @@ def test_cli_summarizes_documents_of_any_length_in_stages(service, summarizer, t
     batch_id = submitted.out.strip()
     assert "pagedq: failed: docs/empty.txt: line 1: text: the document is empty" in submitted.err
     assert "3 results to out.jsonl; 1 requests failed" in submitted.err
+    if without_pypdf:
+        assert "skipped 1 PDF file(s) (docs/scan.pdf): PDF needs the pypdf package" in submitted.err
 
     records = {record["id"]: record for record in map(json.loads, Path("out.jsonl").read_text().splitlines())}
     assert sorted(records) == ["docs/long.md", "docs/short.txt", "note-1"]
@@ -129,6 +135,10 @@ def test_cli_summarizes_documents_of_any_length_in_stages(service, summarizer, t
     capsys.readouterr()
     assert main(["batch", "submit", "--summarize", "docs/empty.txt", "--wait", "-o", "none.jsonl", "--url", url]) == 1
     assert "with no results: 1 of 1 requests failed" in capsys.readouterr().err and not Path("none.jsonl").exists()
+    # A document too long for one prompt, sent as one: the failure says what to do.
+    assert main(["batch", "submit", "docs/long.md", "--template", "Summarize:\\n{text}", "--wait", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert "pagedq: failed: docs/long.md: prompt: " in err and "`pagedq batch submit --summarize` splits it" in err
 
 
 def test_options_the_model_cannot_run_are_a_400_naming_the_field(service):

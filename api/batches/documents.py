@@ -133,7 +133,7 @@ class SummaryLines:
                     custom_id=custom_ids.get(index), stage=state.stage, kind=state.kind, requests=state.requests,
                     status=status.get(ended.get(index) or outcomes.get(index), "in_progress"),
                     done=done.get(index, state.requests if index in outcomes or index in ended else 0))
-                for index, state in sorted(self.states(record).items())
+                for index, state in sorted(states.items())  # as the stages just queued left them
             ]
         return ended
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 # Progress bars shown at once for the documents in progress (more would not fit a terminal).
 _DOCUMENT_BARS = 8
-_TOO_LONG_HINT = ("the document is longer than the model's context: `pagedq batch submit --summarize` "
+_TOO_LONG_HINT = ("too long for one prompt: `pagedq batch submit --summarize` "
                   "splits it and summarizes it in stages")
 
 
@@ -69,7 +69,7 @@ def failure_reasons(errors: bytes) -> list[str]:
             message = line["error"].get("message") or line["error"].get("code")
         else:
             message = ((line.get("response") or {}).get("body") or {}).get("error", {}).get("message", "failed")
-        if "context length" in message:
+        if message.startswith("prompt:") and "more than" in message:  # too long, by tokens or characters
             message += f" ({_TOO_LONG_HINT})"
         reasons.append(f"{line.get('custom_id') or '(no custom_id)'}: {message}")
     return reasons

@@ -6,6 +6,7 @@ path as given (or the JSONL line's id); ids must be unique."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -85,11 +86,7 @@ def _jsonl_documents(path: Path, content: str, text_field: str) -> list[tuple[st
 
 
 def _have_pypdf() -> bool:
-    try:
-        import pypdf  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("pypdf") is not None
 
 
 def _pdf_text(path: Path) -> str:
