@@ -186,3 +186,20 @@ def test_a_worker_killed_and_an_api_restarted_mid_map_redo_no_finished_chunk(ser
     # The chunks summarized before the kill were not summarized again.
     again = {job.id: job.ended_at for job in Job.fetch_many(list(ended_at), service.redis, serializer=JSONSerializer)}
     assert again == ended_at
+
+
+def test_cancel_stops_every_stage(service):
+    lines = [{"custom_id": f"doc-{i}", "method": "POST", "url": SUMMARIES_ENDPOINT, "body": {"text": document(40, seed=30 + i)}}
+             for i in range(2)]
+    with Client(service.api.url) as client:
+        batch_id = client.batch_submit("".join(json.dumps(line) + "\n" for line in lines).encode(), SUMMARIES_ENDPOINT,
+                                       summary=OPTIONS)["id"]
+        wait_until(lambda: any(job.get_status() == "finished" for job in service.jobs(batch_id, 0)), 60, "a chunk done")
+        assert client.batch_cancel(batch_id)["status"] == "cancelling"
+        batch = client.batch_wait(batch_id, poll_s=0.2)
+        output, errors = client.batch_results(batch_id)
+    assert batch["status"] == "cancelled" and [d["status"] for d in batch["documents"]] == ["cancelled"] * 2
+    assert output == b"" and [json.loads(line)["error"]["code"] for line in errors.splitlines()] == ["batch_cancelled"] * 2
+    jobs = service.jobs(batch_id, 0) + service.jobs(batch_id, 1)
+    assert {job.get_status() for job in jobs} <= {"finished", "canceled"}
+    assert all(job.id.split("-")[-2] == "0" for job in jobs)  # no reduce was queued
