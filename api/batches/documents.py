@@ -9,6 +9,7 @@ Redis (batch_key(id, "docs")): per line index, a DocumentState as JSON."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
@@ -22,10 +23,12 @@ from api.jobs import JobStore
 from api.prompts import PromptChecker
 from api.summaries.summarizer import Summarizer
 from pagedq.protocol import JobPayload
+from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import TERMINAL, batch_key, job_state
 from pagedq.settings import Settings
 from pagedq.summaries import DocumentProgress, StageUsage, SummarizeOptions, SummaryBody
 
+log = logging.getLogger("pagedq.api")
 # A batch object lists each document's progress up to this many documents.
 MAX_LISTED_DOCUMENTS = 1000
 # Queues a job in the caller's transaction: (pipeline, record, job id, payload).
@@ -121,7 +124,15 @@ class SummaryLines:
             if not TERMINAL.issuperset(parts):
                 continue
             summarizer = summarizer or self.summarizer(record.summary)
-            outcome = self._stage_ended(record, summarizer, index, states[index], parts)
+            try:
+                outcome = self._stage_ended(record, summarizer, index, states[index], parts)
+            except Exception as exc:
+                if passing_redis_trouble(exc) is not None:
+                    raise  # the supervisor waits it out
+                # One document's fault is its own: the others move on.
+                log.exception("batch %s: document %d could not move on", record.id, index + 1)
+                states[index].error = f"its next stage could not be made ({type(exc).__name__}: {exc})"
+                outcome = self._end(record, index, states[index], "failed")
             if outcome is not None:
                 ended[index] = outcome
             done[index] = 0 if outcome is None else done[index]
