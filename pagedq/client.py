@@ -173,6 +173,10 @@ class Client:
         params = {"limit": limit, **({"after": after} if after else {})}
         return self._request("GET", "/v1/batches", params=params)
 
+    def batch_refused(self, batch_id: str) -> list[dict]:
+        """The input lines the batch refused so far (error-file lines), before it ends."""
+        return self._request("GET", f"/v1/batches/{batch_id}/refused")["data"]
+
     def batch_cancel(self, batch_id: str) -> dict:
         return self._request("POST", f"/v1/batches/{batch_id}/cancel")
 

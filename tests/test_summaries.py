@@ -135,6 +135,11 @@ def test_cli_summarizes_documents_of_any_length_in_stages(service, summarizer, t
     capsys.readouterr()
     assert main(["batch", "submit", "--summarize", "docs/empty.txt", "--wait", "-o", "none.jsonl", "--url", url]) == 1
     assert "with no results: 1 of 1 requests failed" in capsys.readouterr().err and not Path("none.jsonl").exists()
+    # Without --wait, a refused document is known at once: said, with its reason.
+    assert main(["batch", "submit", "--summarize", "docs/empty.txt", "docs/short.txt", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert "pagedq: failed: docs/empty.txt: line 1: text: the document is empty" in err
+    assert "1 of 2 requests were refused (the others run)" in err
     # A document too long for one prompt, sent as one: the failure says what to do.
     assert main(["batch", "submit", "docs/long.md", "--template", "Summarize:\\n{text}", "--wait", "--url", url]) == 1
     err = capsys.readouterr().err

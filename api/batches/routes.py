@@ -60,6 +60,14 @@ async def get_batch(batch_id: str, request: Request, caller: Auth) -> dict:
     return _found(await _call(request, _store(request).advance, batch_id), batch_id).public()
 
 
+@router.get("/{batch_id}/refused")
+async def refused_lines(batch_id: str, request: Request, caller: Auth) -> dict:
+    """pagedq's extension: the input lines refused so far, as error-file lines (the error file
+    itself is written when the batch ends)."""
+    _found(await _call(request, _store(request).get, batch_id, caller), batch_id)
+    return {"object": "list", "data": await _call(request, _store(request).refused, batch_id)}
+
+
 @router.post("/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request, caller: Auth) -> dict:
     _found(await _call(request, _store(request).get, batch_id, caller), batch_id)

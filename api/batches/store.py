@@ -186,6 +186,11 @@ class BatchStore:
             raise BatchRefused(400, str(exc), param=str(exc).split(":")[0]) from None
         return options
 
+    def refused(self, batch_id: str) -> list[dict]:
+        """The error-file lines of the input lines refused so far (known before anything runs)."""
+        raw = self.connection.hgetall(batch_key(batch_id, "errors"))
+        return [json.loads(line) for _, line in sorted((int(index), line) for index, line in raw.items())]
+
     def request_cancel(self, batch_id: str) -> BatchRecord | None:
         record = self.get(batch_id)
         if record is None:

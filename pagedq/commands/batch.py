@@ -201,9 +201,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return _write_results(client, wait_with_progress(client, batch["id"], 1.0), args)
         if batch["status"] in BATCH_TERMINAL:  # submitted before and already ended
             return _exit_status(client, batch)
-    if counts["failed"]:
-        raise CommandError(f"{counts['failed']} of {counts['total']} requests were refused (the others run); "
-                           f"`pagedq batch results {batch['id']}` prints why once the batch ends")
+        if counts["failed"]:
+            print_failures("".join(json.dumps(line) + "\n" for line in client.batch_refused(batch["id"])).encode())
+            raise CommandError(f"{counts['failed']} of {counts['total']} requests were refused (the others run)")
     return 0
 
 
