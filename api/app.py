@@ -3,7 +3,7 @@
 POST /generate → 202 {seq_id}; GET /result/{id}[?wait=s]; DELETE /result/{id} (cancel);
 GET /stream/{id} (SSE); GET /health; GET /ready; GET /metrics (Prometheus) (api/native_routes.py); /docs.
 OpenAI-compatible, over the same queue: /v1/models, /v1/completions, /v1/chat/completions
-(api/openai_compat.py) and the Batch API, /v1/files and /v1/batches (api/files.py, api/batches.py).
+(api/openai_compat.py) and the Batch API, /v1/files and /v1/batches (api/files.py, api/batches/), including summary batches (api/summaries/).
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import batches, files, native_routes, openai_compat, retention
+from api import files, native_routes, openai_compat, retention
+from api.batches import routes as batch_routes
+from api.batches.store import BatchStore
+from api.batches.supervisor import supervise
 from api.auth import Keyring, install_key_redactor
 from api.body_limit import BodySizeLimit
 from api.errors import install_error_handlers
@@ -80,8 +83,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.streams = StreamReader(app.state.aredis)
         app.state.blocking = blocking_limiter()
         app.state.files = FileStore(redis, settings)
-        app.state.batches = batches.BatchStore(redis, settings, store, app.state.files, app.state.openai)
-        background = [asyncio.create_task(batches.supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
+        app.state.batches = BatchStore(redis, settings, store, app.state.files, app.state.openai)
+        background = [asyncio.create_task(supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
         yield
         for task in background:
             task.cancel()
@@ -110,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
     install_error_handlers(app)
-    for router in (openai_compat.router, files.router, batches.router):
+    for router in (openai_compat.router, files.router, batch_routes.router):
         app.include_router(router, responses={code: {"description": "OpenAI's error object"} for code in (400, 401, 404, 409)})
     app.include_router(native_routes.router)
 

@@ -4,7 +4,6 @@ the prompt checker, settings, metrics) is on `request.app.state`, set by api.app
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated
 
@@ -12,7 +11,6 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis import Redis
 from redis.exceptions import RedisError
-from rq.worker_registration import get_keys as registered_worker_keys
 
 from api.auth import Caller, authenticate, authenticate_probe
 from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response
@@ -20,6 +18,7 @@ from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull
 from api.prompts import PromptChecker
 from api.streaming import StreamReader, valid_stream_id
 from api.threads import blocking
+from pagedq.live_workers import live_workers
 from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
 from pagedq.redis_connection import passing_redis_trouble
@@ -148,19 +147,4 @@ async def ready(request: Request, caller: Probe) -> JSONResponse:
 
 def _live_workers(connection: Redis, queue) -> tuple[list[dict], int]:
     """The queue's live workers (with their engine stats) and its depth."""
-    keys = sorted(registered_worker_keys(queue=queue))
-    with connection.pipeline(transaction=False) as pipeline:
-        for key in keys:
-            pipeline.hmget(key, "state", "death", "engine_stats", "metrics_port")
-        rows = pipeline.execute()
-    workers = []
-    for key, (state, death, engine_stats, metrics_port) in zip(keys, rows):
-        if state is None or death is not None:
-            continue  # expired (no heartbeat) or shut down
-        workers.append({
-            "name": key.split(":", 2)[-1],
-            "state": state.decode(),
-            "engine": json.loads(engine_stats) if engine_stats else None,
-            "metrics_port": int(metrics_port) if metrics_port else None,
-        })
-    return workers, queue.count
+    return live_workers(connection, queue), queue.count

@@ -62,7 +62,7 @@ class PromptChecker:
             self._tokenizers.put(load_tokenizer(model))
 
     @contextmanager
-    def _borrowed(self) -> Iterator:
+    def borrowed(self) -> Iterator:
         """A tokenizer copy no other thread uses meanwhile."""
         tokenizer = self._tokenizers.get()
         try:
@@ -105,7 +105,7 @@ class PromptChecker:
     def _encode(self, text: str) -> list[int]:
         self._check_chars("prompt", len(text))
         try:
-            with self._borrowed() as tokenizer:
+            with self.borrowed() as tokenizer:
                 head = _HEAD_CHARS_PER_TOKEN * self.token_limit
                 if len(text) > head:
                     head_tokens = len(tokenizer.encode(text[:head]))
@@ -123,14 +123,14 @@ class PromptChecker:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
-        with self._borrowed() as tokenizer:
+        with self.borrowed() as tokenizer:
             encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         # transformers 5 answers a BatchEncoding, earlier versions a list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (a token that ends mid-character decodes to U+FFFD)."""
-        with self._borrowed() as tokenizer:
+        with self.borrowed() as tokenizer:
             return [tokenizer.decode([token_id]) for token_id in ids]
 
     def _check_token_ids(self, field: str, ids: list[int]) -> None:

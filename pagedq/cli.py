@@ -1,7 +1,6 @@
-"""`pagedq` command line: each subcommand lives in its own module under pagedq.commands.
-
-A command module exposes `register(subparsers)`, which adds its parser(s) and sets
-`handler=<callable(args) -> int>` as the parser default.
+"""`pagedq`: the command line. Each command module exposes registration functions that
+add their parser(s) and set `handler=<callable(args) -> int>` as the parser default;
+REGISTRATIONS lists them in the order `pagedq --help` shows the commands.
 """
 
 from __future__ import annotations
@@ -10,13 +9,29 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = (
-    "pagedq.commands.make_tiny_model",
-    "pagedq.commands.bench",
-    "pagedq.commands.service",
-    "pagedq.commands.batch",
-    "pagedq.commands.pull",
+# (module, function): the commands a user starts with first (up, submit, batch), then the
+# service's parts and tools.
+REGISTRATIONS = (
+    ("pagedq.commands.service", "register_start"),
+    ("pagedq.commands.batch", "register"),
+    ("pagedq.commands.service", "register"),
+    ("pagedq.commands.pull", "register"),
+    ("pagedq.commands.make_tiny_model", "register"),
+    ("pagedq.commands.bench", "register"),
 )
+
+DESCRIPTION = """\
+pagedq serves an LLM the way vLLM does (paged KV cache, continuous batching) behind an
+asynchronous api: jobs queue in Redis, so nothing is lost when a process restarts.
+
+Start here:
+  pagedq up                                    Redis, the api and a worker on this machine
+  pagedq submit --chat --wait "Hello"          one prompt, its answer printed
+  pagedq batch submit --summarize docs/ --wait -o summaries.jsonl
+                                               a summary per document, however long
+
+`pagedq COMMAND --help` describes each command and its flags. Settings also come from
+PAGEDQ_* environment variables (a flag wins over its variable)."""
 
 
 class CommandError(Exception):
@@ -28,10 +43,11 @@ class CommandError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedq", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    parser = argparse.ArgumentParser(prog="pagedq", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for module, function in REGISTRATIONS:
+        getattr(importlib.import_module(module), function)(subparsers)
     return parser
 
 

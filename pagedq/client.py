@@ -145,21 +145,26 @@ class Client:
 
     def batch_create(
         self, input_file_id: str, endpoint: str, completion_window: str = "24h", metadata: dict | None = None,
-        idempotency_key: str | None = None,
+        idempotency_key: str | None = None, summary: dict | None = None,
     ) -> dict:
+        """`summary`: with endpoint /v1/summaries, how to summarize (pagedq.summaries.SummarizeOptions' fields)."""
         body = {"input_file_id": input_file_id, "endpoint": endpoint, "completion_window": completion_window}
         if metadata:
             body["metadata"] = metadata
+        if summary is not None:
+            body["summary"] = summary
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         # Creating a batch queues its lines before answering: allow for a large file.
         return self._request("POST", "/v1/batches", json=body, headers=headers, timeout=max(self._http.timeout.read, 300))
 
-    def batch_submit(self, jsonl: bytes, endpoint: str, filename: str = "batch.jsonl") -> dict:
-        """Upload `jsonl` and create its batch, idempotently: keys derived from the content
-        and endpoint, so running this again finds the same file and batch."""
+    def batch_submit(self, jsonl: bytes, endpoint: str, filename: str = "batch.jsonl", summary: dict | None = None) -> dict:
+        """Upload `jsonl` and create its batch, idempotently: keys derived from the content,
+        endpoint and summary options, so running this again finds the same file and batch."""
         digest = hashlib.sha256(jsonl).hexdigest()
         uploaded = self.upload_file(jsonl, filename, idempotency_key=f"batch-input-{digest}")
-        return self.batch_create(uploaded["id"], endpoint, idempotency_key=f"batch-{digest}-{endpoint}")
+        options = hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16] if summary else ""
+        return self.batch_create(uploaded["id"], endpoint, idempotency_key=f"batch-{digest}-{endpoint}{options}",
+                                 summary=summary)
 
     def batch_get(self, batch_id: str) -> dict:
         return self._request("GET", f"/v1/batches/{batch_id}")
@@ -167,6 +172,10 @@ class Client:
     def batch_list(self, limit: int = 20, after: str | None = None) -> dict:
         params = {"limit": limit, **({"after": after} if after else {})}
         return self._request("GET", "/v1/batches", params=params)
+
+    def batch_refused(self, batch_id: str) -> list[dict]:
+        """The input lines the batch refused so far (error-file lines), before it ends."""
+        return self._request("GET", f"/v1/batches/{batch_id}/refused")["data"]
 
     def batch_cancel(self, batch_id: str) -> dict:
         return self._request("POST", f"/v1/batches/{batch_id}/cancel")

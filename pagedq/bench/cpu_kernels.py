@@ -25,7 +25,8 @@ CPU_SHAPES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(CPU_SHAPES), default=list(CPU_SHAPES), help="model shapes to time")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                        help="activation and cache dtypes to time (default: both)")
     parser.add_argument("--batch-sizes", type=positive_ints, default=[4, 32, 64], help="decoding sequences, comma-separated (default 4,32,64)")
     parser.add_argument("--context", type=int, default=512, help="keys per decoding sequence (default 512)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

@@ -23,11 +23,11 @@ from pagedq.bench.workload import positive_int, positive_ints
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="local checkpoint (`pagedq make-tiny-model DIR --preset host-bench`)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the engine runs (default cpu)")
     parser.add_argument("--running", type=positive_ints, default=[64, 256, 1024], metavar="N,N,...",
                         help="requests running at once, one measurement each (default 64,256,1024)")
-    parser.add_argument("--prompt-len", type=positive_int, default=32)
-    parser.add_argument("--output-len", type=positive_int, default=256)
+    parser.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens per request (default 32)")
+    parser.add_argument("--output-len", type=positive_int, default=256, help="tokens generated per request (default 256)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="timed passes per count (default 3)")
     parser.add_argument("--real-forward", action="store_true", help="run the model's forward too (a breakdown of real steps)")

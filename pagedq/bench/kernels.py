@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=1024, help="decode context length per sequence (default 1024)")
     parser.add_argument("--prefill-batch-sizes", type=positive_ints, default=[1, 8], help="prefill batch sizes (default 1,8)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (default 1024)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the tensors' dtype (default bfloat16)")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (default 16)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(

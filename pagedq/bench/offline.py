@@ -32,7 +32,7 @@ def parse_peers(text: str) -> list[str]:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="DIR", help="local Hugging Face checkpoint directory")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where the engines run (default auto: cuda if there is one)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="auto: float32 on CPU, the checkpoint's half type on CUDA")
 

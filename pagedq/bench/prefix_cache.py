@@ -16,12 +16,12 @@ from pagedq.cli import CommandError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--num-prompts", type=positive_int, default=32)
+    parser.add_argument("--num-prompts", type=positive_int, default=32, help="requests sharing the prefix (default 32)")
     parser.add_argument("--prefix-len", type=positive_int, default=512, help="shared prefix tokens (default 512)")
     parser.add_argument("--suffix-len", type=parse_length_range, default=LengthRange(16, 64), metavar="LOW:HIGH",
                         help="each request's own tokens after the prefix (default 16:64)")
     parser.add_argument("--output-len", type=positive_int, default=32, help="tokens generated per request (default 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
 
 

@@ -133,7 +133,7 @@ def make_workload(
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--num-prompts", type=positive_int, default=64)
+    group.add_argument("--num-prompts", type=positive_int, default=64, help="requests in the workload (default 64)")
     group.add_argument("--input-len", type=parse_length_range, default=LengthRange(32, 256),
                        metavar="LOW:HIGH", help="prompt lengths, uniform in [LOW, HIGH] (default 32:256)")
     group.add_argument("--output-len", type=parse_length_range, default=LengthRange(32, 256),

@@ -1,4 +1,4 @@
-"""`pagedq bench {offline,serve,host,kernels,cpu-kernels,prefix-cache,submit,chaos}`: each subcommand's module brings its own arguments
+"""`pagedq bench {offline,serve,host,kernels,cpu-kernels,prefix-cache,submit,chaos,summarize}`: each subcommand's module brings its own arguments
 (`add_arguments(parser)`) and entry point (`run(args) -> int`)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "prefix-cache": ("pagedq.bench.prefix_cache", "requests sharing a long prefix, prefix caching off vs on"),
     "submit": ("pagedq.bench.submit", "how fast the api accepts jobs: N concurrent POST /generate"),
     "chaos": ("pagedq.bench.chaos", "a soak under faults: no job lost, duplicated or stuck"),
+    "summarize": ("pagedq.bench.summarize", "a long document's summary batch: the map stage vs the offline engine"),
 }
 
 

@@ -22,12 +22,12 @@ def register(subparsers) -> None:
     parser.add_argument("dir", help="output directory")
     parser.add_argument("--arch", choices=TINY_ARCHS, help="architecture (default: llama, or the preset's)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights (default 0)")
     parser.add_argument("--dtype", choices=DTYPES, help="saved weight dtype (default: float32, or the preset's)")
     parser.add_argument("--max-shard-size", help="write a sharded checkpoint, e.g. 200MB")
     shape = parser.add_argument_group("shape (overrides the tiny default or the preset)")
     for name in SHAPE_FIELDS:
-        shape.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N")
+        shape.add_argument(f"--{name.replace('_', '-')}", type=int, metavar="N", help=f"the config's {name}")
     parser.set_defaults(handler=run)
 
 

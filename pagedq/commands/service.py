@@ -1,4 +1,4 @@
-"""Service commands: `pagedq up | api | worker | submit | result | cancel`.
+"""Service commands: `pagedq up | submit | result | cancel | api | worker`.
 
 Flags override the `PAGEDQ_*` environment (pagedq/settings.py); `pagedq up` hands its
 resolved settings to its children through that same environment.
@@ -24,72 +24,105 @@ from pagedq.settings import Settings
 if TYPE_CHECKING:
     from pagedq.client import Client
 
-def register(subparsers) -> None:
-    up = subparsers.add_parser("up", help="run Redis, the api and a worker on this machine (the quick start)")
-    _server_flags(up)
-    up.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+def register_start(subparsers) -> None:
+    """The commands a user starts with: `up` and `submit`."""
+    up = subparsers.add_parser(
+        "up", help="run Redis, the api and a worker on this machine (start here)",
+        description="Run the whole service on this machine: Redis (PAGEDQ_REDIS_URL, else redis-server on PATH, "
+        "else the bundled one), the api and --workers workers. Without --model it serves SmolLM2-135M-Instruct "
+        "(fetched once by `pagedq pull`). Prints the api's URL when every worker is ready; Ctrl-C stops the "
+        "workers (they requeue what they cannot finish), then the api, then Redis.")
+    _server_flags(up, "up")
+    up.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine (default 1)")
     up.set_defaults(handler=cmd_up)
 
-    api = subparsers.add_parser("api", help="serve the HTTP api (uvicorn)")
-    _server_flags(api)
-    api.add_argument("--workers", type=int, default=1,
-                     help="api processes sharing the port (uvicorn workers; default 1): more cores for submits and streams")
-    api.set_defaults(handler=cmd_api)
-
-    worker = subparsers.add_parser("worker", help="run a batch worker: one engine, many RQ jobs at once")
-    _server_flags(worker)
-    worker.set_defaults(handler=cmd_worker)
-
-    submit = subparsers.add_parser("submit", help="submit a prompt to a running service")
+    submit = subparsers.add_parser(
+        "submit", help="send one prompt to a running service (--wait or --stream for the answer)",
+        description="Queue one prompt; print its job id, or with --wait its answer, or with --stream the answer as "
+        "it is generated. Sampling flags left out take the checkpoint's generation_config.json defaults.")
     client_flags(submit)
-    submit.add_argument("prompt")
+    submit.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     submit.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
     mode = submit.add_mutually_exclusive_group()
     mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
     mode.add_argument("--stream", action="store_true", help="print the text as it is generated")
     sampling_flags(submit)
-    submit.add_argument("--top-k", type=int)
-    submit.add_argument("--priority", type=int)
-    submit.add_argument("--idempotency-key")
+    submit.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only (-1 or 0: all)")
+    submit.add_argument("--priority", type=int, help="lower runs earlier (default 0)")
+    submit.add_argument("--idempotency-key", help="the same key and prompt give the same job, however often sent")
     submit.add_argument("--json", action="store_true", help="print the full JSON result")
     submit.set_defaults(handler=cmd_submit)
 
-    result = subparsers.add_parser("result", help="show a job's status and (partial) result")
+
+def register(subparsers) -> None:
+    """The service's parts and a job's other commands: `result`, `cancel`, `api`, `worker`."""
+    result = subparsers.add_parser("result", help="show a job's status and (partial) result",
+                                   description="Print a job's status and result so far as JSON.")
     client_flags(result)
-    result.add_argument("seq_id")
+    result.add_argument("seq_id", help="the job id `submit` printed")
     result.add_argument("--wait", type=float, help="wait up to this many seconds for the job to end")
     result.set_defaults(handler=cmd_result)
 
-    cancel = subparsers.add_parser("cancel", help="cancel a queued or running job")
+    cancel = subparsers.add_parser("cancel", help="cancel a queued or running job",
+                                   description="Cancel a job: a queued one never runs, a running one stops.")
     client_flags(cancel)
-    cancel.add_argument("seq_id")
+    cancel.add_argument("seq_id", help="the job id `submit` printed")
     cancel.set_defaults(handler=cmd_cancel)
 
+    api = subparsers.add_parser(
+        "api", help="serve the HTTP api alone (uvicorn), for a service spread over machines",
+        description="Serve the HTTP api (native, OpenAI-compatible and Batch API routes) on --host:--port. Any "
+        "number of api processes may serve one Redis; each needs the model's tokenizer and config.")
+    _server_flags(api, "api")
+    api.add_argument("--workers", type=int, default=1,
+                     help="api processes sharing the port (uvicorn workers; default 1): more cores for submits and streams")
+    api.set_defaults(handler=cmd_api)
 
-def _server_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local Hugging Face checkpoint directory (PAGEDQ_MODEL)")
-    parser.add_argument("--redis-url", help="PAGEDQ_REDIS_URL")
-    parser.add_argument("--host", help="api bind address (PAGEDQ_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="api port (PAGEDQ_PORT, default 8000)")
-    parser.add_argument("--queue-name", help="RQ queue (PAGEDQ_QUEUE_NAME)")
-    parser.add_argument("--device", help="worker device: auto, cpu, cuda (PAGEDQ_DEVICE)")
-    parser.add_argument("--dtype", help="PAGEDQ_DTYPE")
-    parser.add_argument("--max-model-len", type=int, help="PAGEDQ_MAX_MODEL_LEN")
-    parser.add_argument("--max-num-seqs", type=int, help="PAGEDQ_MAX_NUM_SEQS")
+    worker = subparsers.add_parser(
+        "worker", help="run one engine that takes many jobs at once from Redis (one per GPU)",
+        description="Run a worker: it loads the model, takes as many queued jobs as its engine admits, and writes "
+        "their tokens and results to Redis. Start one per GPU (or several per CPU machine), on any machine that "
+        "reaches Redis; it serves no HTTP (its Prometheus metrics: PAGEDQ_METRICS_PORT on --host).")
+    _server_flags(worker, "worker")
+    worker.set_defaults(handler=cmd_worker)
+
+
+def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """The settings flags of `up`, `api` and `worker` (each overrides its PAGEDQ_* variable)."""
+    parser.add_argument("--model", help="local Hugging Face checkpoint directory, e.g. what `pagedq pull` prints "
+                        "(PAGEDQ_MODEL)" + ("; default: SmolLM2-135M-Instruct, pulled once" if role == "up" else ""))
+    parser.add_argument("--redis-url", help="redis://HOST:PORT/DB or redis+sentinel://... (PAGEDQ_REDIS_URL)"
+                        + ("; default: start a local Redis" if role == "up" else ""))
+    if role == "worker":
+        parser.add_argument("--host", help="address the worker's metrics listen on (PAGEDQ_HOST, default 127.0.0.1)")
+    else:
+        parser.add_argument("--host", help="address the api listens on (PAGEDQ_HOST, default 127.0.0.1)")
+        parser.add_argument("--port", type=int, help="port the api listens on (PAGEDQ_PORT, default 8000)")
+    parser.add_argument("--queue-name", help="RQ queue the api fills and workers take from (PAGEDQ_QUEUE_NAME, "
+                        "default pagedq; batches use QUEUE.batch)")
+    parser.add_argument("--device", help="auto, cpu or cuda (PAGEDQ_DEVICE, default auto)")
+    parser.add_argument("--dtype", help="weights and activations: auto (the checkpoint's), float32, float16 or "
+                        "bfloat16 (PAGEDQ_DTYPE)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens (PAGEDQ_MAX_MODEL_LEN; "
+                        "default: the model's, lowered to what the KV cache holds)")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences one engine step runs at most "
+                        "(PAGEDQ_MAX_NUM_SEQS, default 256)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (PAGEDQ_MAX_NUM_BATCHED_TOKENS)")
-    parser.add_argument("--gpu-memory-utilization", type=float, help="PAGEDQ_GPU_MEMORY_UTILIZATION")
-    parser.add_argument("--kv-cache-dtype", help="auto or fp8 (PAGEDQ_KV_CACHE_DTYPE)")
-    parser.add_argument("--preemption-mode", help="recompute or swap (PAGEDQ_PREEMPTION_MODE)")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for weights and "
+                        "KV cache, 0-1 (PAGEDQ_GPU_MEMORY_UTILIZATION)")
+    parser.add_argument("--kv-cache-dtype", help="auto or fp8 (e4m3: twice the tokens per GiB) (PAGEDQ_KV_CACHE_DTYPE)")
+    parser.add_argument("--preemption-mode", help="when the KV cache is full: recompute or swap (to CPU memory) "
+                        "(PAGEDQ_PREEMPTION_MODE)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (PAGEDQ_ENFORCE_EAGER)")
 
 
 def sampling_flags(parser: argparse.ArgumentParser) -> None:
     """The sampling flags `pagedq submit` and `pagedq batch submit` share (SamplingParams' names)."""
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--max-tokens", type=int, help="most tokens to generate (per summary with --summarize)")
+    parser.add_argument("--temperature", type=float, help="0: greedy; higher: more varied (default: the checkpoint's)")
+    parser.add_argument("--top-p", type=float, help="sample from the likeliest tokens that make up this probability")
+    parser.add_argument("--seed", type=int, help="seed the sampling, for a repeatable answer")
+    parser.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable)")
 
 
 def given_fields(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
@@ -101,8 +134,8 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 
 
 def client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="api base URL (PAGEDQ_URL, default http://127.0.0.1:8000)")
-    parser.add_argument("--api-key", help="bearer key (PAGEDQ_API_KEY)")
+    parser.add_argument("--url", help="the api's base URL (PAGEDQ_URL, default http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", help="the bearer key, when the api needs one (PAGEDQ_API_KEY)")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

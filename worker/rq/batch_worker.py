@@ -8,7 +8,8 @@ replaces the work loop. One tick:
 1. reap, when due: requeue the jobs of workers whose heartbeats stopped (a short TTL,
    checked often) and the ids a dead worker took from a queue but never started, and read
    the suspension flag;
-2. heartbeat, when due: the worker and every execution, in one pipeline;
+2. heartbeat, when due: the worker and every execution, in one pipeline (and, from a
+   thread, during a step that runs longer than a third of the TTL: step_heartbeats.py);
 3. queue the round trip of what the previous step produced (`_send_sync`) and hand it to
    the I/O thread: every job's new text to its stream and partial result to its hash, the
    results of the jobs it finished (RQ's success writes, one script call for all of them)
@@ -88,6 +89,7 @@ from pagedq.redis_schema import (
 )
 from pagedq.settings import Settings
 from worker.rq.publisher import ProgressPublisher, Sending, start_progress
+from worker.rq.step_heartbeats import StepHeartbeats
 
 if TYPE_CHECKING:
     from pagedq.front.llm_engine import LLMEngine
@@ -134,6 +136,8 @@ return {redis.call('GET', KEYS[1]) or '0', lost, taken, depths}
 _IDLE_WAIT_S = 1.0
 # Pause after a Redis error before the next try.
 _REDIS_RETRY_S = 1.0
+# One engine step longer than this is taken for a hung engine: its heartbeats stop.
+_MAX_STEP_S = 600.0
 
 
 class JobStopped(Exception):
@@ -226,6 +230,9 @@ class BatchWorker(BaseWorker):
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
         # The round trip on the I/O thread, until its answer is taken (one at a time).
         self._pending: _PendingSync | None = None
+        # Beats while a step runs longer than the loop's beats allow (worker/rq/step_heartbeats.py).
+        self._step_heartbeats = StepHeartbeats(lambda: self._heartbeat(engine_stats=False),
+                                               settings.heartbeat_ttl_s / 3, _MAX_STEP_S, self.log)
 
     # ---- RQ hooks -------------------------------------------------------------------
 
@@ -309,6 +316,7 @@ class BatchWorker(BaseWorker):
             self.metrics_port = self.metrics.serve(self.settings.host, self.settings.metrics_port)
         self.bootstrap(logging_level)
         self._install_signal_handlers()
+        self._step_heartbeats.start()
         try:
             while not (self._draining and (not self.inflight or time.monotonic() >= self._drain_deadline)):
                 try:
@@ -328,6 +336,7 @@ class BatchWorker(BaseWorker):
             self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
         finally:
+            self._step_heartbeats.stop()
             self._io.shutdown(wait=True)
             self.teardown()
 
@@ -624,7 +633,8 @@ class BatchWorker(BaseWorker):
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            with self._step_heartbeats.step():
+                outputs = self.engine.step()
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
@@ -716,7 +726,8 @@ class BatchWorker(BaseWorker):
 
     # ---- heartbeats and shutdown ----------------------------------------------------
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, engine_stats: bool = True) -> None:
+        """`engine_stats` False: from the step heartbeats' thread, while the engine computes."""
         ttl = self.settings.heartbeat_ttl_s
         with self.connection.pipeline(transaction=False) as pipeline:
             self.heartbeat(ttl, pipeline=pipeline)
@@ -724,7 +735,8 @@ class BatchWorker(BaseWorker):
                 entry.execution.heartbeat(entry.queue.started_job_registry, ttl, pipeline)
             state = WorkerStatus.SUSPENDED if self._suspended else WorkerStatus.BUSY if self.inflight else WorkerStatus.IDLE
             self.set_state(state, pipeline)
-            self._publish_engine_stats(pipeline)
+            if engine_stats:
+                self._publish_engine_stats(pipeline)
             created = pipeline.execute()[0]
             if created:
                 # Our hash expired while Redis was away (or was lost with it): without its

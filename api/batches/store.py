@@ -1,153 +1,97 @@
-"""The Batch API: POST /v1/batches, GET /v1/batches[/{id}], POST /v1/batches/{id}/cancel.
+"""A batch's life in Redis: created from an uploaded input file, its lines read and their
+jobs queued (the fan-out), its progress pulled from the jobs' own states, and, once nothing
+is pending, its output and error files written. Refusals are BatchRefused (the routes make
+them HTTP errors).
 
 A batch's state lives in Redis only, so any api replica serves it and restarts lose nothing:
 - the record (OpenAI's batch object plus how far the input has been read);
 - per input line: its custom_id, and, for a line that cannot run, its error-file line;
-- per line job: its outcome, once seen (finished, failed, canceled).
+- per line: its outcome, once seen (finished, failed, canceled);
+- for a summary batch, per document: its stage (api/batches/documents.py).
 
-Each valid line becomes an ordinary job, id `<batch id>-<line>`, in the batch queue at
-`batch_priority`: workers take it only when no interactive request waits (and never into
-the slots reserved for those). Lines are read and their jobs queued a chunk at a time,
+Each valid line of a plain batch becomes an ordinary job, id `<batch id>-<line>`; each
+document of a summary batch one job per chunk, then per reduce. They go in the batch queue
+at `batch_priority`: workers take them only when no interactive request waits (and never
+into the slots reserved for those). Lines are read and their jobs queued a chunk at a time,
 each chunk in one transaction with the record's read position, so a fan-out interrupted
 anywhere resumes where it stopped and never queues a line twice.
 
 Progress is pulled, not pushed: `advance()` reads the status of the jobs not yet seen to
 end and records their outcomes (idempotently, by line), so the counts stay exact whatever
 ran a job and however often (a worker killed mid-job, RQ's retries, a plain `rq worker`).
-When nothing is left pending the output and error files are written from the jobs'
-results and the batch ends. Every api process runs `supervise()`, which advances every
-active batch every `batch_poll_interval_s`; a lease per batch keeps replicas from doing the
-same work twice, and a GET advances it too. Line jobs keep their results for the
-completion window on top of `result_ttl_s`, so results outlive the batch's window.
+Every api process advances every active batch (api/batches/supervisor.py); a lease per
+batch keeps replicas from doing the same work twice, and a GET advances it too. Line jobs
+keep their results for the completion window on top of `result_ttl_s`, so results outlive
+the batch's window.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
 
-import anyio
-from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
 from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api.auth import ANYONE, Caller, authenticate
+from api.auth import ANYONE, Caller
+from api.batches import lease
+from api.batches.documents import DocumentState, LineRefused, SummaryLines
+from api.batches.schemas import (
+    ACTIVE,
+    BATCH_ID_PATTERN,
+    COMPLETION_WINDOWS,
+    BatchCreate,
+    BatchRecord,
+    BatchUsage,
+    RequestCounts,
+    error_line,
+    line_job_id,
+    response_line,
+)
 from api.errors import ApiError, openai_error_body
 from api.files import FileConflict, FileStore
 from api.jobs import JobStore, invalid_input
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
-from api.threads import blocking
+from api.summaries.summarizer import InvalidOptions, Summarizer
 from pagedq.protocol import JobPayload
-from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state, tenant_batches_key
-from pagedq.request_rules import MAX_JSON_DEPTH, ValidInput, json_too_deep
+from pagedq.request_rules import MAX_JSON_DEPTH, json_too_deep
 from pagedq.settings import Settings
+from pagedq.summaries import SUMMARIES_ENDPOINT, SummarizeOptions
 
 log = logging.getLogger("pagedq.api")
 
-BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
-ACTIVE: frozenset[str] = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-COMPLETION_WINDOWS = {"24h": 24 * 3600}
-BATCH_ID_PATTERN = re.compile(r"^batch_[0-9a-f]{32}$")
+ENDPOINTS = (*REQUEST_MODELS, SUMMARIES_ENDPOINT)
+# Lines per fan-out transaction; a summary batch's lines are documents, each many jobs.
 _CHUNK_LINES = 256
-_LEASE_S = 60
-# Deletes a lease only if it is still ours. KEYS: the lease. ARGV: our token.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+_CHUNK_DOCUMENTS = 8
 
 
-class RequestCounts(BaseModel):
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
+@dataclass
+class _Line:
+    """One input line as read: its error-file line, or the jobs it queues [(id, payload)]
+    (and, in a summary batch, the document's state)."""
+
+    index: int
+    custom_id: str | None
+    error: str | None = None
+    jobs: list[tuple[str, JobPayload]] = field(default_factory=list)
+    document: DocumentState | None = None
 
 
-class BatchUsage(BaseModel):
-    """OpenAI's batch usage: the tokens of the requests that completed."""
+class BatchRefused(Exception):
+    """A request about batches that cannot be done: an HTTP status, the message (naming the
+    field), OpenAI's param and code."""
 
-    input_tokens: int = 0
-    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
-    output_tokens: int = 0
-    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
-    total_tokens: int = 0
-
-
-class BatchObject(BaseModel):
-    """OpenAI's batch object."""
-
-    id: str
-    object: Literal["batch"] = "batch"
-    endpoint: str
-    model: str | None = None
-    errors: dict | None = None
-    input_file_id: str
-    completion_window: str
-    status: BatchStatus
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    created_at: int
-    in_progress_at: int | None = None
-    expires_at: int
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    expired_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
-    request_counts: RequestCounts = Field(default_factory=RequestCounts)
-    # Set when the batch ends (it sums the completed requests' usage from their results).
-    usage: BatchUsage | None = None
-    metadata: dict[str, str] | None = None
-
-
-class BatchRecord(BatchObject):
-    """What Redis keeps: the batch object plus the fan-out's position."""
-
-    lines_read: int = 0
-    request_sha256: str
-    # The tenant that created it (api.auth.Caller.tenant); its line jobs and files are that tenant's too.
-    owner: str = ""
-
-    def public(self) -> dict:
-        return BatchObject.model_validate(self.model_dump(exclude={"lines_read", "request_sha256", "owner"})).model_dump()
-
-
-class BatchCreate(ValidInput):
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    output_expires_after: dict | None = Field(None, description="Accepted; output files expire with PAGEDQ_FILES_TTL_S.")
-
-
-def line_job_id(batch_id: str, index: int) -> str:
-    return f"{batch_id}-{index}"
-
-
-def _error_line(batch_id: str, index: int, custom_id: str | None, code: str, message: str) -> str:
-    """A line that never produced an HTTP-style response (OpenAI's `error` field)."""
-    return json.dumps({"id": f"batch_req_{line_job_id(batch_id, index)}", "custom_id": custom_id, "response": None,
-                       "error": {"code": code, "message": message}})
-
-
-def _response_line(batch_id: str, index: int, custom_id: str | None, status_code: int, body: dict) -> str:
-    request_id = line_job_id(batch_id, index)
-    return json.dumps({"id": f"batch_req_{request_id}", "custom_id": custom_id,
-                       "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None})
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
 
 
 class BatchStore:
@@ -157,6 +101,7 @@ class BatchStore:
         self.jobs = jobs
         self.files = files
         self.translator = translator
+        self.documents = SummaryLines(connection, jobs, translator.checker, settings, self._enqueue)
 
     # ---- records ------------------------------------------------------------------------
 
@@ -187,17 +132,19 @@ class BatchStore:
         return present[:limit], len(ids) > limit
 
     def create(self, body: BatchCreate, idempotency_key: str | None, caller: Caller) -> BatchRecord:
-        if body.endpoint not in REQUEST_MODELS:
-            raise ApiError(400, f"endpoint: one of {', '.join(REQUEST_MODELS)}, got {body.endpoint!r}", param="endpoint")
+        if body.endpoint not in ENDPOINTS:
+            raise BatchRefused(400, f"endpoint: one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}", param="endpoint")
         if body.completion_window not in COMPLETION_WINDOWS:
-            raise ApiError(400, f"completion_window: one of {', '.join(COMPLETION_WINDOWS)}, got {body.completion_window!r}",
-                           param="completion_window")
+            raise BatchRefused(400, f"completion_window: one of {', '.join(COMPLETION_WINDOWS)}, "
+                               f"got {body.completion_window!r}", param="completion_window")
+        summary = self._summary_options(body)
         stored = self.files.get(body.input_file_id)
         if stored is None or not caller.owns(stored.owner):
-            raise ApiError(404, f"input_file_id: no file {body.input_file_id!r}", param="input_file_id", code="file_not_found")
+            raise BatchRefused(404, f"input_file_id: no file {body.input_file_id!r}", param="input_file_id",
+                               code="file_not_found")
         if stored.purpose != "batch":
-            raise ApiError(400, f"input_file_id: file {body.input_file_id} has purpose {stored.purpose!r}, not 'batch'",
-                           param="input_file_id")
+            raise BatchRefused(400, f"input_file_id: file {body.input_file_id} has purpose {stored.purpose!r}, "
+                               "not 'batch'", param="input_file_id")
         request_sha256 = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
         if idempotency_key:
             digest = hashlib.sha256(f"batch\0{caller.tenant}\0{idempotency_key}".encode()).hexdigest()
@@ -209,7 +156,7 @@ class BatchStore:
             id=batch_id, endpoint=body.endpoint, model=self.translator.model_id, input_file_id=body.input_file_id,
             completion_window=body.completion_window, status="validating", created_at=now,
             expires_at=now + COMPLETION_WINDOWS[body.completion_window], metadata=body.metadata,
-            request_sha256=request_sha256, owner=caller.tenant,
+            request_sha256=request_sha256, owner=caller.tenant, summary=summary,
         )
         if self.connection.set(batch_key(batch_id), record.model_dump_json(), nx=True, ex=self.settings.files_ttl_s):
             with self.connection.pipeline() as pipeline:
@@ -221,9 +168,28 @@ class BatchStore:
         else:
             existing = self.get(batch_id, caller)
             if existing is None or existing.request_sha256 != request_sha256:
-                raise ApiError(409, "Idempotency-Key: already used for a different batch", code="idempotency_conflict")
+                raise BatchRefused(409, "Idempotency-Key: already used for a different batch", code="idempotency_conflict")
         # Runs (or resumes) the fan-out now, so the answer says which lines were accepted.
         return self.advance(batch_id, wait_s=30.0) or record
+
+    def _summary_options(self, body: BatchCreate) -> SummarizeOptions | None:
+        """A summary batch's options (the defaults where none are given), checked against the
+        served model; None for a plain batch."""
+        if body.endpoint != SUMMARIES_ENDPOINT:
+            if body.summary is not None:
+                raise BatchRefused(400, f"summary: only for endpoint {SUMMARIES_ENDPOINT}", param="summary")
+            return None
+        options = body.summary or SummarizeOptions()
+        try:
+            self.documents.summarizer(options)
+        except InvalidOptions as exc:
+            raise BatchRefused(400, str(exc), param=str(exc).split(":")[0]) from None
+        return options
+
+    def refused(self, batch_id: str) -> list[dict]:
+        """The error-file lines of the input lines refused so far (known before anything runs)."""
+        raw = self.connection.hgetall(batch_key(batch_id, "errors"))
+        return [json.loads(line) for _, line in sorted((int(index), line) for index, line in raw.items())]
 
     def request_cancel(self, batch_id: str) -> BatchRecord | None:
         record = self.get(batch_id)
@@ -232,42 +198,26 @@ class BatchStore:
         if record.status in ("cancelling", "cancelled"):
             return record
         if record.status not in ACTIVE:
-            raise ApiError(409, f"batch {batch_id} is {record.status}; nothing to cancel", code="batch_not_active")
+            raise BatchRefused(409, f"batch {batch_id} is {record.status}; nothing to cancel", code="batch_not_active")
         # The flag reaches a replica busy with this batch (it looks between chunks and steps).
         self.connection.set(batch_key(batch_id, "cancel"), "1", ex=self.settings.files_ttl_s)
-        with self._lease(batch_id, wait_s=5.0) as held:
+        with lease.lease(self.connection, batch_id, wait_s=5.0) as held:
             record = self.get(batch_id) or record
             if record.status in ("validating", "in_progress"):
                 record.status, record.cancelling_at = "cancelling", int(time.time())
                 if held:
                     self._save(record)
-                    pending = self._refresh(record)
-                    self.jobs.cancel_many([line_job_id(batch_id, index) for index in pending])
+                    self.jobs.cancel_many(self._pending_job_ids(record, self._refresh(record)))
                     self._save(record)
         # "cancelled" once an advance has seen every line end (the supervisor's next round, or a GET).
         return record
 
     # ---- progress -----------------------------------------------------------------------
 
-    @contextmanager
-    def _lease(self, batch_id: str, wait_s: float) -> Iterator[bool]:
-        key, token = batch_key(batch_id, "lease"), uuid.uuid4().hex
-        deadline = time.monotonic() + wait_s
-        while not (held := bool(self.connection.set(key, token, nx=True, ex=_LEASE_S))) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        try:
-            yield held
-        finally:
-            if held:
-                self.connection.eval(_RELEASE, 1, key, token)
-
-    def _renew_lease(self, batch_id: str) -> None:
-        self.connection.expire(batch_key(batch_id, "lease"), _LEASE_S)
-
     def advance(self, batch_id: str, wait_s: float = 0.0) -> BatchRecord | None:
         """Take the batch as far as it can go now; the record as it then is (as stored, when
         another replica holds the batch)."""
-        with self._lease(batch_id, wait_s) as held:
+        with lease.lease(self.connection, batch_id, wait_s) as held:
             record = self.get(batch_id)
             if not held or record is None or record.status not in ACTIVE:
                 if record is None or record.status not in ACTIVE:
@@ -284,7 +234,7 @@ class BatchStore:
                 expiring = record.status == "in_progress" and time.time() >= record.expires_at
                 if pending and (record.status == "cancelling" or expiring):
                     # Repeated each advance: a line taken by a worker mid-cancel is caught next time.
-                    self.jobs.cancel_many([line_job_id(batch_id, index) for index in pending])
+                    self.jobs.cancel_many(self._pending_job_ids(record, pending))
                     if expiring and record.expired_at is None:
                         record.expired_at = int(time.time())
                     pending = self._refresh(record)
@@ -315,40 +265,43 @@ class BatchStore:
                            f"of {self.settings.max_batch_requests} (PAGEDQ_MAX_BATCH_REQUESTS)")
                 return
         seen = {json.loads(value) for value in self.connection.hvals(batch_key(record.id, "lines"))}
-        chunk: list[tuple[int, str | None, str | None, object]] = []
+        summarizer = self.documents.summarizer(record.summary) if record.summary is not None else None
+        chunk_lines = _CHUNK_LINES if summarizer is None else _CHUNK_DOCUMENTS
+        chunk: list[_Line] = []
         for index, raw in enumerate(self.files.lines(record.input_file_id)):
             if index < record.lines_read:
                 continue
             if raw.strip():
                 try:
-                    custom_id, error, payload = self._line(record, index, raw, seen)
+                    line = self._line(record, summarizer, index, raw, seen)
                 except Exception:  # a line's fault, whatever it is, is that line's error alone
                     log.exception("batch %s: line %d could not be read", record.id, index + 1)
-                    custom_id, payload = None, None
-                    error = _error_line(record.id, index, None, "internal_error", f"line {index + 1}: could not be read")
-                seen.add(custom_id)
-                chunk.append((index, custom_id, error, payload))
-            if len(chunk) >= _CHUNK_LINES:
+                    line = _Line(index, None, error_line(record.id, index, None, "internal_error",
+                                                         f"line {index + 1}: could not be read"))
+                seen.add(line.custom_id)
+                chunk.append(line)
+            if len(chunk) >= chunk_lines:
                 self._commit(record, chunk, index + 1)
                 chunk = []
                 if self.connection.exists(batch_key(record.id, "cancel")):
                     record.status, record.cancelling_at = "cancelling", int(time.time())
                     self._save(record)
                     return
-        self._commit(record, chunk, record.lines_read if not chunk else chunk[-1][0] + 1)
+        self._commit(record, chunk, record.lines_read if not chunk else chunk[-1].index + 1)
         record.status, record.in_progress_at = "in_progress", int(time.time())
 
-    def _line(self, record: BatchRecord, index: int, raw: bytes, seen: set):
-        """(custom_id, error line or None, job payload or None) of one input line."""
+    def _line(self, record: BatchRecord, summarizer: Summarizer | None, index: int, raw: bytes, seen: set) -> _Line:
+        """One input line: its error line, or the jobs it queues (and for a document, its state)."""
         if json_too_deep(raw):
-            return None, _error_line(record.id, index, None, "invalid_json",
-                                     f"line {index + 1}: nested more than {MAX_JSON_DEPTH} levels deep"), None
+            return _Line(index, None, error_line(record.id, index, None, "invalid_json",
+                                                 f"line {index + 1}: nested more than {MAX_JSON_DEPTH} levels deep"))
         try:
             line = json.loads(raw)
         except ValueError as exc:
-            return None, _error_line(record.id, index, None, "invalid_json", f"line {index + 1}: not JSON ({exc})"), None
+            return _Line(index, None, error_line(record.id, index, None, "invalid_json", f"line {index + 1}: not JSON ({exc})"))
         if not isinstance(line, dict):
-            return None, _error_line(record.id, index, None, "invalid_request", f"line {index + 1}: not a JSON object"), None
+            return _Line(index, None, error_line(record.id, index, None, "invalid_request",
+                                                 f"line {index + 1}: not a JSON object"))
         custom_id = line.get("custom_id")
         problem = None
         if not isinstance(custom_id, str) or not custom_id:
@@ -363,8 +316,15 @@ class BatchStore:
             problem = "body: a JSON object is required"
         elif set(line) - {"custom_id", "method", "url", "body"}:
             problem = f"unknown fields: {', '.join(sorted(set(line) - {'custom_id', 'method', 'url', 'body'}))}"
+        if problem is None and summarizer is not None:
+            try:
+                document, jobs = self.documents.parse(record, summarizer, index, line["body"])
+                return _Line(index, custom_id, jobs=jobs, document=document)
+            except LineRefused as exc:
+                problem = str(exc)
         if problem is not None:
-            return custom_id, _error_line(record.id, index, custom_id, "invalid_request", f"line {index + 1}: {problem}"), None
+            return _Line(index, custom_id, error_line(record.id, index, custom_id, "invalid_request",
+                                                      f"line {index + 1}: {problem}"))
         try:
             body = self.translator.parse(record.endpoint, line["body"])
             if body.stream:
@@ -376,29 +336,35 @@ class BatchStore:
             request.priority = self.settings.batch_priority
         except ApiError as exc:
             error = openai_error_body(exc.status_code, str(exc.detail), exc.param, exc.code)
-            return custom_id, _response_line(record.id, index, custom_id, exc.status_code, error), None
-        return custom_id, None, JobStore.payload(request, prompt_token_ids, stream=False)
+            return _Line(index, custom_id, response_line(record.id, index, custom_id, exc.status_code, error))
+        return _Line(index, custom_id, jobs=[(line_job_id(record.id, index), JobStore.payload(request, prompt_token_ids,
+                                                                                               stream=False))])
 
-    def _commit(self, record: BatchRecord, chunk: list, lines_read: int) -> None:
-        record.lines_read = lines_read
+    def _enqueue(self, pipeline, record: BatchRecord, job_id: str, payload: JobPayload) -> None:
         # The results must outlive the batch's window (and its finalizing, which reads them).
         result_ttl_s = self.settings.result_ttl_s + COMPLETION_WINDOWS[record.completion_window]
-        ttl = self.settings.files_ttl_s
+        self.jobs.enqueue_batch_line(pipeline, job_id, payload, result_ttl_s, record.owner)
+
+    def _commit(self, record: BatchRecord, chunk: list[_Line], lines_read: int) -> None:
+        record.lines_read = lines_read
         queued = 0
         with self.connection.pipeline() as pipeline:
             pipeline.multi()
-            for index, custom_id, error, payload in chunk:
-                pipeline.hset(batch_key(record.id, "lines"), str(index), json.dumps(custom_id))
-                if error is not None:
-                    pipeline.hset(batch_key(record.id, "errors"), str(index), error)
+            for line in chunk:
+                pipeline.hset(batch_key(record.id, "lines"), str(line.index), json.dumps(line.custom_id))
+                if line.error is not None:
+                    pipeline.hset(batch_key(record.id, "errors"), str(line.index), line.error)
+                elif line.document is not None:
+                    self.documents.queue(pipeline, record, line.index, line.document, line.jobs)
                 else:
-                    self.jobs.enqueue_batch_line(pipeline, line_job_id(record.id, index), payload, result_ttl_s, record.owner)
-                    queued += 1
-            for part in ("lines", "errors"):
-                pipeline.expire(batch_key(record.id, part), ttl)
+                    for job_id, payload in line.jobs:
+                        self._enqueue(pipeline, record, job_id, payload)
+                queued += len(line.jobs)
+            for part in ("lines", "errors", "docs"):
+                pipeline.expire(batch_key(record.id, part), self.settings.files_ttl_s)
             self._save(record, pipeline)
             pipeline.execute()
-        self._renew_lease(record.id)
+        lease.renew(self.connection, record.id)
         if queued:
             self.jobs.on_enqueued(self.jobs.batch_queue.name, queued)
 
@@ -414,7 +380,11 @@ class BatchStore:
         invalid = {int(i) for i in errors}
         outcomes = {int(i): o.decode() for i, o in outcomes.items()}
         pending = sorted({int(i) for i in lines} - invalid - set(outcomes))
-        if pending:
+        if record.summary is not None:
+            ended = self.documents.refresh(record, pending, outcomes)
+            outcomes.update(ended)
+            pending = [index for index in pending if index not in ended]
+        elif pending:
             with self.connection.pipeline(transaction=False) as pipeline:
                 for index in pending:
                     pipeline.hget(Job.key_for(line_job_id(record.id, index)), "status")
@@ -439,6 +409,11 @@ class BatchStore:
         )
         return pending
 
+    def _pending_job_ids(self, record: BatchRecord, pending: list[int]) -> list[str]:
+        if record.summary is not None:
+            return self.documents.pending_job_ids(record, pending)
+        return [line_job_id(record.id, index) for index in pending]
+
     def _finalize(self, record: BatchRecord) -> None:
         """Every line has ended: write the output and error files, end the batch."""
         record.status, record.finalizing_at = "finalizing", int(time.time())
@@ -455,7 +430,11 @@ class BatchStore:
         expired: list[int] = []  # finished, but their results are gone
         record.usage = BatchUsage()
         if finished:
-            output = self._output_lines(record, finished, custom_ids, expired, record.usage)
+            if record.summary is not None:
+                output = (response_line(record.id, index, custom_ids.get(index), 200, body)
+                          for index, body in self.documents.output(record, finished, record.usage))
+            else:
+                output = self._output_lines(record, finished, custom_ids, expired, record.usage)
             record.output_file_id = self._write(record, "output", output)
         unfinished = sorted(set(errors) | {i for i, outcome in outcomes.items() if outcome != "finished"} | set(expired))
         if unfinished:
@@ -483,7 +462,7 @@ class BatchStore:
             chunk = indices[start:start + _CHUNK_LINES]
             ids = [line_job_id(record.id, index) for index in chunk]
             yield from zip(chunk, Job.fetch_many(ids, self.connection, serializer=JSONSerializer))
-            self._renew_lease(record.id)
+            lease.renew(self.connection, record.id)
 
     def _output_lines(self, record: BatchRecord, finished: list[int], custom_ids: dict, expired: list[int],
                       usage: BatchUsage) -> Iterator[str]:
@@ -493,12 +472,10 @@ class BatchStore:
             if result is None:
                 expired.append(index)  # for the error file
                 continue
-            usage.input_tokens += result.usage.prompt_tokens
-            usage.output_tokens += result.usage.completion_tokens
-            usage.total_tokens = usage.input_tokens + usage.output_tokens
+            usage.add(result.usage.prompt_tokens, result.usage.completion_tokens)
             logprobs = JobPayload.model_validate(job.kwargs).sampling.logprobs
             body = self.translator.response(record.endpoint, line_job_id(record.id, index), [result], logprobs)
-            yield _response_line(record.id, index, custom_ids.get(index), 200, body)
+            yield response_line(record.id, index, custom_ids.get(index), 200, body)
 
     def _error_lines(self, record: BatchRecord, unfinished: list[int], custom_ids: dict, errors: dict,
                      outcomes: dict) -> Iterator[str]:
@@ -507,93 +484,24 @@ class BatchStore:
             if index in errors:
                 yield errors[index]
             elif outcomes[index] == "finished":
-                yield _error_line(record.id, index, custom_id, "result_expired",
+                yield error_line(record.id, index, custom_id, "result_expired",
                                   "the request finished, but its result expired before the batch was finalized")
             elif outcomes[index] == "canceled":
                 code = "batch_expired" if record.expired_at is not None and record.cancelling_at is None else "batch_cancelled"
-                yield _error_line(record.id, index, custom_id, code, f"the batch was {code.removeprefix('batch_')} "
+                yield error_line(record.id, index, custom_id, code, f"the batch was {code.removeprefix('batch_')} "
                                   "before this request ran to the end")
             else:
-                job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JSONSerializer)[0]
-                message = JobStore.failure_message(job) if job is not None else "the job is gone"
+                message = self._failure(record, index)
                 if (invalid := invalid_input(message)) is not None:
-                    yield _response_line(record.id, index, custom_id, 400,
+                    yield response_line(record.id, index, custom_id, 400,
                                          openai_error_body(400, invalid, code="invalid_request"))
                 else:
-                    yield _response_line(record.id, index, custom_id, 500,
+                    yield response_line(record.id, index, custom_id, 500,
                                          openai_error_body(500, f"the request failed: {message}", code="job_failed"))
 
-
-async def supervise(app: FastAPI) -> None:
-    """Advance every active batch every `batch_poll_interval_s` (any replica; leases keep
-    them from doubling up). Redis outages are waited out."""
-    store: BatchStore = app.state.batches
-    interval = app.state.settings.batch_poll_interval_s
-
-    def advance_all() -> None:
-        for batch_id in store.connection.smembers(ACTIVE_BATCHES_KEY):
-            try:
-                store.advance(batch_id.decode())
-            except Exception as exc:
-                if passing_redis_trouble(exc) is not None:
-                    raise
-                # One batch's fault must not stop the others from advancing.
-                log.exception("batch supervisor: advancing batch %s failed; retrying next round", batch_id.decode())
-
-    while True:
-        try:
-            await anyio.to_thread.run_sync(advance_all, limiter=app.state.blocking)
-        except Exception as exc:
-            if (trouble := passing_redis_trouble(exc)) is not None:
-                log.warning("batch supervisor: Redis %s (%s); retrying", trouble, exc)
-            else:
-                log.exception("batch supervisor: advancing batches failed; retrying")
-        await asyncio.sleep(interval)
-
-
-# ---- endpoints ----------------------------------------------------------------------------
-
-router = APIRouter(prefix="/v1/batches", tags=["Batch API"])
-Auth = Annotated[Caller, Depends(authenticate)]
-
-
-def _store(request: Request) -> BatchStore:
-    return request.app.state.batches
-
-
-def _found(record: BatchRecord | None, batch_id: str) -> BatchRecord:
-    """The record, or 404 (for another tenant's batch too)."""
-    if record is None:
-        raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-    return record
-
-
-@router.post("")
-async def create_batch(
-    body: BatchCreate, request: Request, caller: Auth, idempotency_key: Annotated[str | None, Header()] = None,
-) -> dict:
-    record = await blocking(request, _store(request).create, body, idempotency_key, caller)
-    request.app.state.metrics.batches_created.inc()
-    return record.public()
-
-
-@router.get("")
-async def list_batches(
-    request: Request, caller: Auth, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
-) -> dict:
-    records, has_more = await blocking(request, _store(request).list, limit, after, caller)
-    data = [record.public() for record in records]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
-
-
-@router.get("/{batch_id}")
-async def get_batch(batch_id: str, request: Request, caller: Auth) -> dict:
-    _found(await blocking(request, _store(request).get, batch_id, caller), batch_id)
-    return _found(await blocking(request, _store(request).advance, batch_id), batch_id).public()
-
-
-@router.post("/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, request: Request, caller: Auth) -> dict:
-    _found(await blocking(request, _store(request).get, batch_id, caller), batch_id)
-    return _found(await blocking(request, _store(request).request_cancel, batch_id), batch_id).public()
+    def _failure(self, record: BatchRecord, index: int) -> str:
+        """Why a line failed: its job's failure (a document's: the first of its jobs that failed)."""
+        if record.summary is not None:
+            return self.documents.failure(record, index)
+        job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JSONSerializer)[0]
+        return JobStore.failure_message(job) if job is not None else "the job is gone"

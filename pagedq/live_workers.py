@@ -1,0 +1,31 @@
+"""Which workers of a queue are alive, read from RQ's worker registry: one rule for the
+api's GET /ready and for `pagedq up`, which waits for its workers without polling /ready
+(so its own polls never appear in the api's access log)."""
+
+from __future__ import annotations
+
+import json
+
+from redis import Redis
+from rq import Queue
+from rq.worker_registration import get_keys as registered_worker_keys
+
+
+def live_workers(connection: Redis, queue: Queue) -> list[dict]:
+    """The queue's live workers: name, state, engine stats, metrics port."""
+    keys = sorted(registered_worker_keys(queue=queue))
+    with connection.pipeline(transaction=False) as pipeline:
+        for key in keys:
+            pipeline.hmget(key, "state", "death", "engine_stats", "metrics_port")
+        rows = pipeline.execute()
+    workers = []
+    for key, (state, death, engine_stats, metrics_port) in zip(keys, rows):
+        if state is None or death is not None:
+            continue  # expired (no heartbeat) or shut down
+        workers.append({
+            "name": key.split(":", 2)[-1],
+            "state": state.decode(),
+            "engine": json.loads(engine_stats) if engine_stats else None,
+            "metrics_port": int(metrics_port) if metrics_port else None,
+        })
+    return workers
