@@ -20,7 +20,10 @@ SUBCOMMANDS = {
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmarks", description=__doc__.splitlines()[0])
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks",
+        description="Benchmarks: pagedq beside its peers (vLLM, transformers) on one workload, the service "
+                    "end to end, the kernels alone. Each runs its peers in the same run and prints ratios.")
     bench_subparsers = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         # Imported only when the CLI is built; the modules keep torch and model imports inside run().
