@@ -56,11 +56,14 @@ def test_a_core_process_gives_what_the_core_in_process_gives(model):
             engine.step()
         engine.abort_request("long")
         assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+        # Nothing is left to step: the stats alone show the freed blocks and no request running
+        # (the worker publishes them from here; they stayed stale until stats read the socket).
+        assert not engine.has_unfinished_requests()
         deadline = time.monotonic() + 10
         while engine.stats()["num_free_blocks"] != engine.stats()["num_total_blocks"] and time.monotonic() < deadline:
-            engine.core.get_outputs(wait=False)
             time.sleep(0.05)
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+        assert engine.stats()["num_running"] == 0
     finally:
         llm.llm_engine.shutdown()
     assert llm.llm_engine.core._process.poll() is not None

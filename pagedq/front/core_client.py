@@ -116,6 +116,7 @@ class ProcessCoreClient:
         self._process.stdin.write(json.dumps(settings).encode())
         self._process.stdin.close()
         self.info, self._stats = self._wait_until_ready()
+        self._received: list[CoreOutputs] = []  # sent by the core, not yet taken by get_outputs
 
     def _wait_until_ready(self) -> tuple[CoreInfo, dict]:
         import msgspec
@@ -153,26 +154,36 @@ class ProcessCoreClient:
         self._send(SetEosTokenIds(sorted(token_ids)))
 
     def get_outputs(self, wait: bool) -> list[CoreOutputs]:
+        while True:
+            self._receive_sent()
+            if self._received or not wait:
+                received, self._received = self._received, []
+                for outputs in received:
+                    if outputs.error is not None:
+                        raise RuntimeError(f"the engine core's step failed: {outputs.error}")
+                return received
+            if not self._outputs.poll(_POLL_MS) and self._process.poll() is not None:
+                raise EngineDeadError(f"the engine core process died (exit code {self._process.returncode})")
+
+    def _receive_sent(self) -> None:
+        """Takes in whatever the core has sent, keeping it for get_outputs and its stats now."""
         import zmq
 
-        received = []
         while True:
             try:
                 frame = self._outputs.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                if received or not wait:
-                    return received
-                if not self._outputs.poll(_POLL_MS) and self._process.poll() is not None:
-                    raise EngineDeadError(f"the engine core process died (exit code {self._process.returncode})")
-                continue
+                return
             outputs = self._decoder.decode(frame.buffer)
             if outputs.stats is not None:
                 self._stats = outputs.stats
-            if outputs.error is not None:
-                raise RuntimeError(f"the engine core's step failed: {outputs.error}")
-            received.append(outputs)
+            self._received.append(outputs)
 
     def stats(self) -> dict:
+        # The core reports its stats with each message, also after an abort when no step
+        # follows (the blocks it freed): read what it sent, or a caller that stops stepping
+        # once its requests end (the worker) would show their blocks as taken forever.
+        self._receive_sent()
         return dict(self._stats)
 
     def shutdown(self) -> None:
