@@ -51,6 +51,10 @@ def run_core_process(settings: dict) -> None:
     logger = logging.getLogger(__name__)
     try:
         while True:
+            # An orphan (its front SIGKILLed) stops at once, busy or idle: nobody reads its
+            # tokens, and its cores are wanted by the front's replacement.
+            if os.getppid() != parent_pid:
+                return
             if not core.has_work():
                 while not inputs.poll(1000):
                     if os.getppid() != parent_pid:
