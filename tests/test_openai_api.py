@@ -94,7 +94,10 @@ def test_completions_match_the_offline_engine_streamed_or_not(service, client, m
                                             stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len(chunks) >= 3
+    # In pieces: the first token's chunk, then the rest (the worker sends every token made
+    # while a Redis round trip is out as one delta, so a fast engine's 9 tokens can come in
+    # as few as two chunks).
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1]) and len(chunks) >= 2
 
 
 def test_n_choices_from_one_job_streamed_or_not(service, client, model):
