@@ -24,12 +24,6 @@ namespace {
 
 using namespace pagedq_vec;
 
-// x rounded to T and back: the value PyTorch holds after an op whose output is T.
-template <typename T>
-inline float rounded(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
 // Rows are split among threads only when there is enough work to pay for waking them.
 constexpr int64_t kElementsPerTask = 1 << 15;
 
@@ -38,17 +32,16 @@ inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(kElem
 // y = round(round(x / rms(x)) * w): normalised in float32, cast to the model dtype, scaled by the weight.
 template <typename T>
 inline void norm_row(const T* x, const T* w, T* y, int64_t D, float eps) {
-  vf squares_v = {};
-  int64_t d = 0;
-  for (; d + kLanes <= D; d += kLanes) {
-    const vf v = load_float(x + d);
-    squares_v += v * v;
+  vf squares = {};
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const vf v = load_float_n(x + d, std::min(kLanes, D - d));
+    squares += v * v;
   }
-  float squares = hsum(squares_v);
-  for (; d < D; ++d) squares += to_float(x[d]) * to_float(x[d]);
-  const float inv_rms = 1.f / std::sqrt(squares / static_cast<float>(D) + eps);
-  for (d = 0; d + kLanes <= D; d += kLanes) store_as(y + d, round_to<T>(load_float(x + d) * inv_rms) * load_float(w + d));
-  for (; d < D; ++d) y[d] = static_cast<T>(rounded<T>(to_float(x[d]) * inv_rms) * to_float(w[d]));
+  const float inv_rms = 1.f / std::sqrt(hsum(squares) / static_cast<float>(D) + eps);
+  for (int64_t d = 0; d < D; d += kLanes) {
+    const int64_t n = std::min(kLanes, D - d);
+    store_as_n(y + d, round_to<T>(load_float_n(x + d, n) * inv_rms) * load_float_n(w + d, n), n);
+  }
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -88,9 +81,10 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* res_row = res + r * D;
         const scalar_t* in_row = in + r * D;
-        int64_t d = 0;
-        for (; d + kLanes <= D; d += kLanes) store_as(res_row + d, load_float(res_row + d) + load_float(in_row + d));
-        for (; d < D; ++d) res_row[d] = static_cast<scalar_t>(to_float(res_row[d]) + to_float(in_row[d]));
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const int64_t n = std::min(kLanes, D - d);
+          store_as_n(res_row + d, load_float_n(res_row + d, n) + load_float_n(in_row + d, n), n);
+        }
         norm_row(res + r * D, w, in + r * D, D, static_cast<float>(eps));
       }
     });
@@ -101,16 +95,12 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product and sum rounded to T.
 template <typename T>
 inline void rotate_row(T* row, const T* cos, const T* sin, int64_t half) {
-  int64_t i = 0;
-  for (; i + kLanes <= half; i += kLanes) {
-    const vf x1 = load_float(row + i), x2 = load_float(row + i + half), c = load_float(cos + i), s = load_float(sin + i);
-    store_as(row + i, materialized(round_to<T>(x1 * c)) - materialized(round_to<T>(x2 * s)));
-    store_as(row + i + half, materialized(round_to<T>(x2 * c)) + materialized(round_to<T>(x1 * s)));
-  }
-  for (; i < half; ++i) {
-    const float x1 = to_float(row[i]), x2 = to_float(row[i + half]), c = to_float(cos[i]), s = to_float(sin[i]);
-    row[i] = static_cast<T>(materialized(rounded<T>(x1 * c)) - materialized(rounded<T>(x2 * s)));
-    row[i + half] = static_cast<T>(materialized(rounded<T>(x2 * c)) + materialized(rounded<T>(x1 * s)));
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const int64_t n = std::min(kLanes, half - i);
+    const vf x1 = load_float_n(row + i, n), x2 = load_float_n(row + i + half, n);
+    const vf c = load_float_n(cos + i, n), s = load_float_n(sin + i, n);
+    store_as_n(row + i, materialized(round_to<T>(x1 * c)) - materialized(round_to<T>(x2 * s)), n);
+    store_as_n(row + i + half, materialized(round_to<T>(x2 * c)) + materialized(round_to<T>(x1 * s)), n);
   }
 }
 
@@ -172,18 +162,14 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
         const scalar_t* gate = in + r * 2 * I;
         const scalar_t* up = gate + I;
         scalar_t* out_row = y + r * I;
-        int64_t i = 0;
-        for (; i + kLanes <= I; i += kLanes) {
-          const vf g = load_float(gate + i);
+        for (int64_t i = 0; i < I; i += kLanes) {
+          const int64_t n = std::min(kLanes, I - i);
+          const vf g = load_float_n(gate + i, n);
           // silu(g) = g / (1 + e^-g), from e = e^-|g| (which cannot overflow): g / (1 + e)
           // for g >= 0, g e / (1 + e) below.
           const vf e = exp_nonpositive(g < 0 ? g : -g);
           const vf silu = (g < 0 ? g * e : g) * reciprocal(1.f + e);
-          store_as(out_row + i, round_to<scalar_t>(silu) * load_float(up + i));
-        }
-        for (; i < I; ++i) {
-          const float g = to_float(gate[i]);
-          out_row[i] = static_cast<scalar_t>(rounded<scalar_t>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+          store_as_n(out_row + i, round_to<scalar_t>(silu) * load_float_n(up + i, n), n);
         }
       }
     });

@@ -75,6 +75,16 @@ inline vf load_float(const T* p) {
   }
 }
 
+// The first n elements at p (n <= 16, fewer at a row's end) as load_float reads them, the
+// other lanes 0: one vector path serves a row whatever its length.
+template <typename T>
+inline vf load_float_n(const T* p, int64_t n) {
+  if (n == kLanes) return load_float(p);
+  vf v = {};
+  for (int64_t i = 0; i < n; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
 // 16 floats rounded to bfloat16 (nearest even, as c10::BFloat16 rounds): one VCVTNEPS2BF16
 // where the CPU has AVX512-BF16 (which also flushes denormals, below 1.2e-38, to zero),
 // else in integer steps (NaN kept a NaN).
@@ -113,6 +123,13 @@ inline void store_as(T* p, vf v) {
   }
 }
 
+// The first n lanes of v stored as T (n <= 16), as store_as rounds them.
+template <typename T>
+inline void store_as_n(T* p, vf v, int64_t n) {
+  if (n == kLanes) return store_as(p, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(v[i]);
+}
+
 // v as computed, kept from being fused into a following add (an FMA would skip the
 // rounding of the product that PyTorch's separate multiply does).
 inline vf materialized(vf v) {
@@ -122,15 +139,6 @@ inline vf materialized(vf v) {
   asm("" : "+m"(v));
 #endif
   return v;
-}
-
-inline float materialized(float x) {
-#ifdef __x86_64__
-  asm("" : "+x"(x));
-#else
-  asm("" : "+m"(x));
-#endif
-  return x;
 }
 
 // 1 / x: the 14-bit reciprocal and a Newton step (relative error ~1e-7) where the CPU has
