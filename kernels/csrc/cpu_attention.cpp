@@ -303,10 +303,11 @@ void attend(const Item& item, const q_t* query, const kv_t* key_cache, const kv_
   float* k_buf = probs + vectors * bs;
   float* v_buf = k_buf + block_elems;
 
-  for (int64_t j = 0; j < vectors; ++j) {
-    const q_t* src = query + (q_begin + item.row_begin) * H * D + j * D;
-    const float* row = as_float(src, q + j * D, D);
-    for (int64_t d = 0; d < D; ++d) q[j * D + d] = row[d] * (scale * k_scale);
+  if constexpr (!kBf16Dots) {  // the bfloat16 dot products read the query as it is
+    for (int64_t j = 0; j < vectors; ++j) {
+      const float* row = as_float(query_rows + j * D, q + j * D, D);
+      for (int64_t d = 0; d < D; ++d) q[j * D + d] = row[d] * (scale * k_scale);
+    }
   }
   std::fill(acc, acc + vectors * D, 0.f);
   std::fill(run_max, run_max + vectors, -FLT_MAX);
