@@ -14,11 +14,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, cpu_elementwise
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
 from worker.models.layers import Linear, MergedLinear, RMSNorm, activation
-from kernels import cpu_elementwise
 from worker.models.rotary import PositionedRotary, RotaryEmbedding, rope_parameters
 
 
