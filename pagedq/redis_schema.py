@@ -203,11 +203,31 @@ def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
 # KEYS: per job, its hash and its stream. ARGV: the stream TTL, then per job: its
 # execution's composite key (owns() above), its serialized job.meta ('' when no partial
 # result is due), its number of deltas (a job with n > 1 outputs has one per output) and
-# (index, text, num_tokens, new, logprobs) per delta. `logprobs` is "" unless the job asked
-# for them: then the JSON list of the delta's new tokens (the delta event's `logprobs`
-# field). A stream's TTL is set by its first delta (new = 1) and kept by XADD. A job whose execution no longer owns it gets nothing
-# written; the script returns those jobs' positions (1-based).
+# DELTA_ARGS per delta: (index, text, num_tokens, new, logprobs, check). `logprobs` is ""
+# unless the job asked for them: then the JSON list of the delta's new tokens (the delta
+# event's `logprobs` field). A stream's TTL is set by its first delta (new = 1) and kept by
+# XADD. `check` = 1: an earlier send's reply was lost, so the stream may hold this delta
+# already; it is written only if the output's last delta in the stream (since its last
+# reset) counts fewer tokens. The worker splits such text where each uncertain send ended,
+# so each piece is either wholly in the stream or wholly not. A job whose execution no
+# longer owns it gets nothing written; the script returns those jobs' positions (1-based).
+DELTA_ARGS = 6
 PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
+-- num_tokens of output `index`'s last delta in the stream since its last reset (0: none).
+local function tokens_in(stream, index)
+    local before = '+'
+    while true do
+        local entries = redis.call('XREVRANGE', stream, before, '-', 'COUNT', 64)
+        for _, entry in ipairs(entries) do
+            local fields = {{}}
+            for f = 1, #entry[2], 2 do fields[entry[2][f]] = entry[2][f + 1] end
+            if fields['type'] == '{EVENT_RESET}' then return 0 end
+            if fields['type'] == '{EVENT_DELTA}' and fields['index'] == index then return tonumber(fields['num_tokens']) end
+        end
+        if #entries < 64 then return 0 end
+        before = '(' .. entries[#entries][1]
+    end
+end
 local ttl, at, lost = ARGV[1], 2, {{}}
 for j = 1, #KEYS / 2 do
     local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
@@ -216,19 +236,24 @@ for j = 1, #KEYS / 2 do
     at = at + 3
     if not mine then
         lost[#lost + 1] = j
-        at = at + 5 * deltas
+        at = at + {DELTA_ARGS} * deltas
     else
+        local held = {{}}
         for d = 1, deltas do
-            if ARGV[at + 4] == '' then
-                redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
-            else
-                redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', ARGV[at], 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
-                           'logprobs', ARGV[at + 4])
+            local index, num_tokens = ARGV[at], tonumber(ARGV[at + 2])
+            if ARGV[at + 5] == '1' and held[index] == nil then held[index] = tokens_in(stream, index) end
+            if held[index] == nil or num_tokens > held[index] then
+                if ARGV[at + 4] == '' then
+                    redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', index, 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
+                else
+                    redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', index, 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
+                               'logprobs', ARGV[at + 4])
+                end
+                if ARGV[at + 3] == '1' then
+                    redis.call('EXPIRE', stream, ttl)
+                end
             end
-            if ARGV[at + 3] == '1' then
-                redis.call('EXPIRE', stream, ttl)
-            end
-            at = at + 5
+            at = at + {DELTA_ARGS}
         end
         -- A meta is written only if the job still exists: a write to a deleted job would
         -- recreate its hash (owns() has seen it exist, unless unfenced).

@@ -486,7 +486,7 @@ class BatchWorker(BaseWorker):
         try:
             replies, started, start_error = pending.future.result()
         except BaseException:
-            self.publisher.failed(pending.sending)
+            self.publisher.uncertain(pending.sending)  # the pipeline may have run before the reply was lost
             raise
         refusals = [reply for reply in replies if isinstance(reply, Exception)]
         at = 0

@@ -9,6 +9,10 @@ fenced: nothing is written for a job its execution no longer owns), whatever the
 jobs (the batch worker sends it with its own per-step call: one round trip per engine
 step), and `published()` marks it sent. A pipeline that fails (Redis away) is handed to
 `failed()`, so the next one carries the text the failed one missed: a stream never skips text.
+A round trip that broke off (the connection lost, its reply unread) may or may not have run:
+it goes to `uncertain()`, and the next send splits its text where that one ended and lets
+the script skip what the stream holds already (redis_schema.PUBLISH_STEP_SCRIPT): a stream
+never repeats text either.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from rq.job import Job
 
 from pagedq.outputs import RequestOutput
 from pagedq.redis_schema import (
+    DELTA_ARGS,
     PUBLISH_STEP_SCRIPT,
     UNFENCED,
     Progress,
@@ -44,15 +49,18 @@ class _Published:
     # How much of each output (by index) the stream has.
     sent_chars: list[int] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
+    # (chars, tokens) per output that each send since, whose reply was lost, would have left
+    # the stream with (oldest first): the stream holds one of these or sent_* itself.
+    unsure: list[tuple[list[int], list[int]]] = field(default_factory=list)
     next_progress_at: float = 0.0
     next_delta_at: float = 0.0
 
 
-def _logprobs_json(completion, sent_tokens: int) -> str:
-    """The new tokens' logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
+def _logprobs_json(completion, start: int, stop: int) -> str:
+    """Tokens [start, stop)'s logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
     if completion.logprobs is None:
         return ""
-    new = zip(completion.token_ids[sent_tokens:], completion.logprobs[sent_tokens:])
+    new = zip(completion.token_ids[start:stop], completion.logprobs[start:stop])
     return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
 
 
@@ -81,6 +89,21 @@ class Sending:
 def _pad(counts: list[int], length: int) -> list[int]:
     """`counts` with a 0 for each output that has none yet (n > 1 outputs appear when the prompt is done)."""
     return counts + [0] * (length - len(counts))
+
+
+def _pieces(state: _Published, index: int) -> list[tuple[int, int, int, int]]:
+    """(first char, end char, first token, end token) of each delta output `index` needs: one
+    from what the stream surely has to now, split where each uncertain send ended."""
+    completion = state.output.outputs[index]
+    ends = [(_pad(chars, index + 1)[index], _pad(tokens, index + 1)[index]) for chars, tokens in state.unsure]
+    ends.append((len(completion.text), len(completion.token_ids)))
+    pieces = []
+    start_char, start_token = _pad(state.sent_chars, index + 1)[index], _pad(state.sent_tokens, index + 1)[index]
+    for end_char, end_token in ends:
+        if end_token > start_token:
+            pieces.append((start_char, end_char, start_token, end_token))
+            start_char, start_token = end_char, end_token
+    return pieces
 
 
 class ProgressPublisher:
@@ -134,12 +157,13 @@ class ProgressPublisher:
             outputs = state.output.outputs
             deltas: list[str | int] = []
             if state.stream:
-                sent_tokens, sent_chars = _pad(state.sent_tokens, len(outputs)), _pad(state.sent_chars, len(outputs))
+                # After an uncertain send the script looks at what the stream has before each write.
+                check = int(bool(state.unsure))
                 for index, completion in enumerate(outputs):
-                    if len(completion.token_ids) > sent_tokens[index]:
+                    for start_char, end_char, start_token, end_token in _pieces(state, index):
                         state.next_delta_at = now + self.stream_interval_s
-                        deltas += [index, completion.text[sent_chars[index]:], len(completion.token_ids), int(not started),
-                                   _logprobs_json(completion, sent_tokens[index])]
+                        deltas += [index, completion.text[start_char:end_char], end_token, int(not started),
+                                   _logprobs_json(completion, start_token, end_token), check]
                         started = True
             meta = b""
             # Partial results are rewritten whole, so they are throttled; deltas never are.
@@ -151,7 +175,7 @@ class ProgressPublisher:
             if not deltas and not meta:
                 continue
             keys += [state.job.key, stream_key(seq_id)]
-            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas) // 5, *deltas]
+            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas) // DELTA_ARGS, *deltas]
             sending.jobs.append(seq_id)
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
@@ -166,12 +190,21 @@ class ProgressPublisher:
         for seq_id, (chars, tokens) in sending.counts.items():
             state = self._jobs.get(seq_id)
             if state is not None:
-                state.sent_chars, state.sent_tokens = chars, tokens
+                state.sent_chars, state.sent_tokens, state.unsure = chars, tokens, []
         return [sending.jobs[position - 1] for position in reply or []]
 
     def failed(self, sending: Sending) -> None:
-        """The pipeline did not run (Redis away): the next publish() sends the same text again."""
+        """Redis refused the script (it wrote nothing): the next publish() sends the same text again."""
         self._dirty.update(seq_id for seq_id in sending.jobs if seq_id in self._jobs)
+
+    def uncertain(self, sending: Sending) -> None:
+        """The round trip broke off: the script may have run. The next publish() sends the
+        text again, split where this one ended, for the script to skip what the stream has."""
+        for seq_id in sending.jobs:
+            state = self._jobs.get(seq_id)
+            if state is not None:
+                state.unsure.append(sending.counts[seq_id])
+                self._dirty.add(seq_id)
 
     def flush(self) -> None:
         """Send everything recorded so far, in one round trip (unfenced)."""
@@ -180,7 +213,7 @@ class ProgressPublisher:
             try:
                 replies = pipeline.execute()
             except BaseException:
-                self.failed(sending)
+                self.uncertain(sending)
                 raise
         self.published(sending, replies[-1] if sending.queued else None)
 

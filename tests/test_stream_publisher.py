@@ -1,0 +1,152 @@
+"""A job's stream carries its text exactly once, whatever happens to the worker's round
+trips: a send Redis refused is sent again, and a send whose reply was lost (the connection
+broke after Redis ran it, or before) is sent again split where it ended, the script
+skipping what the stream holds. The chaos soak once saw a stream with a token twice: a
+round trip that ran but whose reply never came back was sent again whole."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from redis import Redis
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedq.redis_schema import Progress, publish_reset, read_events, stream_key
+from pagedq.redis_server import RedisServer
+from worker.rq.publisher import ProgressPublisher
+
+pytestmark = pytest.mark.slow
+
+# Pieces of text a token may decode to, some of several bytes and some empty (a token
+# that ends mid-character).
+_PIECES = ["a", " 8", "é", "日本", "", "🙂", " the", "\n"]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield Redis.from_url(server.url)
+    server.stop()
+
+
+def _job(redis: Redis, seq_id: str) -> Job:
+    job = Job.create("builtins.print", connection=redis, id=seq_id, serializer=JSONSerializer)
+    job.save()
+    return job
+
+
+class _Outputs:
+    """A running request's cumulative output, grown token by token."""
+
+    def __init__(self, seq_id: str, n: int, logprobs: bool):
+        self.seq_id = seq_id
+        self.completions = [CompletionOutput(i, "", [], None, [] if logprobs else None) for i in range(n)]
+
+    def grow(self, rng: random.Random) -> RequestOutput:
+        for completion in self.completions:
+            for _ in range(rng.randint(0, 3)):
+                token = rng.randrange(1000)
+                completion.token_ids.append(token)
+                completion.text += rng.choice(_PIECES)
+                if completion.logprobs is not None:
+                    completion.logprobs.append({token: Logprob(-rng.random(), 1)})
+        return self.output()
+
+    def output(self, finished: bool = False) -> RequestOutput:
+        copies = [CompletionOutput(c.index, c.text, list(c.token_ids), None,
+                                   None if c.logprobs is None else list(c.logprobs)) for c in self.completions]
+        return RequestOutput(self.seq_id, "p", [1], copies, finished, RequestMetrics(time.time()))
+
+
+def _send(publisher: ProgressPublisher, redis: Redis, outcome: str) -> None:
+    """One publish whose round trip ends as `outcome`: answered, refused (nothing written),
+    or broken off after or before Redis ran it (the reply lost either way)."""
+    pipeline = redis.pipeline(transaction=False)
+    sending = publisher.publish(pipeline)
+    if outcome in ("answered", "lost-after") and sending.queued:
+        reply = pipeline.execute()[-1]
+    if outcome == "answered":
+        publisher.published(sending, reply if sending.queued else None)
+    elif outcome == "refused":
+        publisher.failed(sending)
+    else:
+        publisher.uncertain(sending)
+
+
+def _streamed(redis: Redis, seq_id: str) -> dict[int, tuple[str, list[int], list]]:
+    """Per output: the text after the stream's last reset, each delta's token count, the logprobs."""
+    outputs: dict[int, tuple[str, list[int], list]] = {}
+    entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in redis.xrange(stream_key(seq_id))]
+    for event, data, _ in read_events(entries):
+        if event == "reset":
+            outputs = {}
+        elif event == "delta":
+            text, counts, logprobs = outputs.get(data["index"], ("", [], []))
+            outputs[data["index"]] = (text + data["text"], counts + [data["num_tokens"]], logprobs + data.get("logprobs", []))
+    return outputs
+
+
+def _one_event_per_entry(redis: Redis, seq_id: str) -> list[int]:
+    """Output 0's token counts, entry by entry (read_events would merge consecutive deltas)."""
+    return [int(f[b"num_tokens"]) for _, f in redis.xrange(stream_key(seq_id)) if f.get(b"index") == b"0"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stream_holds_each_token_once_whichever_round_trips_broke(redis, seed):
+    rng = random.Random(seed)
+    seq_id = f"publisher-{seed}"
+    n, logprobs = rng.choice([1, 1, 2, 3]), rng.random() < 0.5
+    job = _job(redis, seq_id)
+    publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    publisher.track(job, Progress(prompt_tokens=1, attempt=1))
+    request = _Outputs(seq_id, n, logprobs)
+    outcomes = ["answered", "refused", "lost-after", "lost-before"]
+    for _ in range(rng.randint(5, 25)):
+        publisher.update(seq_id, request.grow(rng))
+        _send(publisher, redis, rng.choice(outcomes))
+    publisher.update(seq_id, request.output(finished=True))
+    _send(publisher, redis, "answered")
+
+    streamed = _streamed(redis, seq_id)
+    for completion in request.completions:
+        text, counts, logprobs_seen = streamed.get(completion.index, ("", [], []))
+        assert text == completion.text
+        assert counts == sorted(set(counts)) and (not counts or counts[-1] == len(completion.token_ids))
+        if completion.logprobs is not None:
+            assert [token for token, _ in logprobs_seen] == completion.token_ids
+    counts = _one_event_per_entry(redis, seq_id)
+    assert counts == sorted(set(counts)), "a delta of output 0 was written twice"
+
+
+def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(redis):
+    """Attempt 1 streamed five tokens and died; attempt 2's first send is lost before it
+    ran: the check reads the stream back only to the reset, so attempt 2's text is whole."""
+    seq_id = "publisher-reset"
+    job = _job(redis, seq_id)
+    first = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    first.track(job, Progress(prompt_tokens=1, attempt=1))
+    rng = random.Random(7)
+    dead = _Outputs(seq_id, 1, False)
+    for _ in range(5):
+        dead.completions[0].token_ids.append(1)
+        dead.completions[0].text += "x"
+    first.update(seq_id, dead.output())
+    _send(first, redis, "answered")
+
+    with redis.pipeline(transaction=False) as pipeline:
+        publish_reset(pipeline, seq_id, 2, 600)
+        pipeline.execute()
+    second = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    second.track(job, Progress(prompt_tokens=1, attempt=2))
+    rerun = _Outputs(seq_id, 1, False)
+    rerun.completions[0].token_ids += [2, 3, 4]
+    rerun.completions[0].text += "abc"
+    second.update(seq_id, rerun.output())
+    _send(second, redis, "lost-before")
+    second.update(seq_id, rerun.grow(rng))
+    _send(second, redis, "answered")
+    assert _streamed(redis, seq_id)[0][0] == rerun.completions[0].text
