@@ -57,7 +57,7 @@ class Settings(BaseSettings):
         "default on for CUDA, off for CPU.",
     )
     core_process: bool | None = Field(
-        None, description="Run the engine core in a process of its own (default: in the worker's process).",
+        None, description="Run the engine core in a process of its own (the worker's default; LLM's is in-process).",
     )
 
     # Client side (`pagedq submit/result/cancel`).

@@ -5,8 +5,10 @@ cannot start says why."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -84,3 +86,18 @@ def test_a_core_process_that_dies_is_an_error_not_a_hang(model):
 def test_a_core_process_that_cannot_start_says_why(tmp_path, model):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model, dtype="float32", device="cpu", core_process=True, max_model_len=10**9)
+
+
+def test_an_engine_dropped_in_a_garbage_cycle_is_collected_without_a_hang(model):
+    """The worker's engine is dropped with its client in one cycle: the collector may take a
+    socket before the client's finalizer runs, and a finalizer that did not close it itself
+    waited on it forever (the suite hung in gc). Its core process goes with it."""
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True)
+    process = llm.llm_engine.core._process
+    llm.cycle = llm
+    del llm
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(30)
+    assert not collector.is_alive(), "gc hung in the core client's finalizer"
+    assert process.poll() is not None

@@ -422,7 +422,9 @@ def test_a_job_the_engine_fails_alone_fails_once_and_the_others_finish(service, 
     from worker.rq.engine_factory import build_engine
 
     api, redis, redis_server = service
-    settings = service_settings(model, redis_server.url, tmp_path, queue_name="isolation-inproc", job_retries=2)
+    # core_process=False: the fault goes into the engine core, which must be in this process to be reached.
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="isolation-inproc", job_retries=2,
+                                core_process=False)
     threads = torch.get_num_threads()
     engine: LLMEngine = build_engine(settings)  # with the workers' one thread, as `expected` was made
     sample = engine.runner.sample

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return tiny_model_dir()
+    # Room for jobs long enough that a fast engine cannot finish them within a drain.
+    return tiny_model_dir(max_position_embeddings=4096)
 
 
 @pytest.fixture
@@ -190,16 +191,17 @@ def test_redis_out_of_memory_pauses_the_service_and_loses_nothing(service, model
 def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model):
     client, redis_server, start_worker, api = service
     redis = Redis.from_url(redis_server.url)
-    # The short job ends well within the drain; the long ones (1000 steps) cannot.
+    # The short job ends well within the drain; the long ones (3000 steps) cannot.
     draining = start_worker(drain_timeout_s=0.5)
     wait_for_worker(api.url)
     short = long_requests(1, max_tokens=10)
-    long = long_requests(3, max_tokens=1000)
+    long = long_requests(3, max_tokens=3000)
     short_id, *long_ids = [client.submit(**body)["seq_id"] for body in short + long]
     wait_until(lambda: all(client.result(s)["status"] == "running" for s in long_ids), 30, "jobs running")
 
     draining.process.send_signal(signal.SIGTERM)
-    late_ids = [client.submit(**body)["seq_id"] for body in long_requests(12, max_tokens=100)]  # not admitted now
+    # Long enough that the two workers, resumed together, both take some (each notices within a second or so).
+    late_ids = [client.submit(**body)["seq_id"] for body in long_requests(12, max_tokens=1000)]  # not admitted now
     assert draining.process.wait(30) == 0
     # What finished in time finished; what did not went back to the queue, at its front.
     assert client.result(short_id)["status"] == "finished"

@@ -136,6 +136,7 @@ class EngineCore:
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, device=str(self.device),
             num_gpu_blocks=self.block_manager.num_total_blocks, num_cpu_blocks=self.runner.num_cpu_blocks,
             block_size=self.args.block_size, attention_backend=self.runner.attention.name,
+            max_steps_in_flight=self.max_steps_in_flight,
         )
 
     def set_eos_token_ids(self, token_ids: set[int]) -> None:

@@ -104,6 +104,8 @@ class CoreInfo(msgspec.Struct, gc=False):
     num_cpu_blocks: int
     block_size: int
     attention_backend: str
+    # 2: overlapped steps (the next launched before the last one's tokens are read).
+    max_steps_in_flight: int
 
 
 def _encode_hook(value: Any) -> Any:

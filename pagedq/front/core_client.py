@@ -111,8 +111,11 @@ class ProcessCoreClient:
             "torch_threads": torch.get_num_threads(),
         }
         self._process = subprocess.Popen([sys.executable, "-m", "pagedq.core.process"], stdin=subprocess.PIPE)
-        self._finalizer = weakref.finalize(self, _stop, self._process, self._inputs, self._context, self._socket_dir,
-                                           self._encoder.encode(Shutdown()))
+        # The finalizer holds every socket: one collected with the client in the same garbage
+        # cycle, before the finalizer runs, is out of the context's sight but still open, and
+        # the context's term() would wait for it forever.
+        self._finalizer = weakref.finalize(self, _stop, self._process, (self._inputs, self._outputs), self._context,
+                                           self._socket_dir, self._encoder.encode(Shutdown()))
         self._process.stdin.write(json.dumps(settings).encode())
         self._process.stdin.close()
         self.info, self._stats = self._wait_until_ready()
@@ -190,9 +193,10 @@ class ProcessCoreClient:
         self._finalizer()
 
 
-def _stop(process: subprocess.Popen, inputs, context, socket_dir: str, shutdown_message: bytes) -> None:
+def _stop(process: subprocess.Popen, sockets: tuple, context, socket_dir: str, shutdown_message: bytes) -> None:
     import zmq
 
+    inputs = sockets[0]
     try:
         inputs.send(shutdown_message, flags=zmq.NOBLOCK)
     except zmq.ZMQError:
@@ -202,7 +206,9 @@ def _stop(process: subprocess.Popen, inputs, context, socket_dir: str, shutdown_
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=5)
-    context.destroy(linger=0)
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()
     shutil.rmtree(socket_dir, ignore_errors=True)
 
 

@@ -37,6 +37,10 @@ def build_engine(settings: Settings) -> LLMEngine:
         set_torch_threads(threads)
     # Settings named as EngineArgs' fields pass through when given.
     given = {name: getattr(settings, name) for name in _ENGINE_SETTINGS if getattr(settings, name) is not None}
+    # The worker's engine core runs in a process of its own unless told otherwise: its steps
+    # then never wait on the worker's Redis I/O, RQ bookkeeping or output processing, which
+    # share one GIL (`pagedq bench serve`, bench/results/2026-11-26-serve-core-process.md).
+    given.setdefault("core_process", True)
     args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
     return LLMEngine.from_engine_args(args)
 
