@@ -252,7 +252,13 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     api, _ = service
     (worker,) = httpx.get(f"{api.url}/ready").json()["workers"]
     worker_url, api_url = f"http://127.0.0.1:{worker['metrics_port']}/metrics", f"{api.url}/metrics"
-    before, api_before = scrape(worker_url), scrape(api_url)
+    vllm_labels = (("engine", "0"), ("model_name", model.name))
+    # The engine core reports its counters with each message: once it shows nothing running,
+    # the steps of the jobs earlier tests canceled are all counted (the worker reads its
+    # stats again with each heartbeat while idle).
+    before = wait_until(lambda: (m := scrape(worker_url))[("pagedq:num_requests_running", vllm_labels)] == 0 and m,
+                        10, "the worker's metrics to settle")
+    api_before = scrape(api_url)
 
     client.completions.create(model=model.name, prompt="count the tokens", max_tokens=7, temperature=0,
                               extra_body={"ignore_eos": True})
@@ -264,7 +270,6 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
         return after[(name, labels)] - before[(name, labels)]
 
     # vLLM's metrics carry vLLM's labels, so its Grafana dashboard can select the model.
-    vllm_labels = (("engine", "0"), ("model_name", model.name))
     assert moved("pagedq:jobs_finished_total") == 1 and moved("pagedq:jobs_failed_total") == 0
     assert moved("pagedq:generation_tokens_total", vllm_labels) == 7
     assert moved("pagedq:prompt_tokens_total", vllm_labels) > 0

@@ -80,7 +80,8 @@ class Up:
 
 @pytest.fixture
 def model(tiny_model_dir) -> str:
-    return str(tiny_model_dir())
+    # Room for jobs long enough to be seen running, however fast the engine.
+    return str(tiny_model_dir(max_position_embeddings=4096))
 
 
 def test_ctrl_c_drains_the_workers_before_redis_stops(model, tmp_path):
@@ -97,7 +98,7 @@ def test_ctrl_c_drains_the_workers_before_redis_stops(model, tmp_path):
         for p in (metrics_port, metrics_port + 1):
             assert "pagedq:num_requests_running" in httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=10).text
         # Jobs longer than the drain (none): the workers must requeue them, which needs Redis.
-        body = {"prompt": "Count to a thousand", "max_tokens": 1000, "ignore_eos": True}
+        body = {"prompt": "Count to a thousand", "max_tokens": 4000, "ignore_eos": True}
         seq_ids = [httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=10).json()["seq_id"]
                    for _ in range(64)]
 

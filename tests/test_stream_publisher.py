@@ -15,9 +15,9 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedq.redis_schema import Progress, publish_reset, read_events, stream_key
+from pagedq.redis_schema import DELTA_ARGS, Progress, publish_reset, read_events, stream_key
 from pagedq.redis_server import RedisServer
-from worker.rq.publisher import ProgressPublisher
+from worker.rq.publisher import Delta, ProgressPublisher
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +150,7 @@ def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(red
     second.update(seq_id, rerun.grow(rng))
     _send(second, redis, "answered")
     assert _streamed(redis, seq_id)[0][0] == rerun.completions[0].text
+
+
+def test_a_delta_sends_what_the_script_reads():
+    assert len(Delta(0, "text", 3, True, "", False).args()) == DELTA_ARGS

@@ -164,6 +164,17 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _child_pids(pid: int) -> list[int]:
+    """A process's children (Linux /proc; none elsewhere)."""
+    pids = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids += [int(child) for child in children.read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
 def measure_service(
     base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace, processes: dict[str, int] | None = None
 ) -> dict:
@@ -214,7 +225,10 @@ def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
                 service.start()
             except StartupFailed as exc:
                 raise CommandError(f"{exc}; its log:\n{log_path.read_text()[-4000:]}") from None
-            processes = {"worker": service.children[1].pid, "api": service.children[0].pid}
+            worker = service.children[1].pid
+            processes = {"worker": worker, "api": service.children[0].pid}
+            # The worker's engine core, when it runs in a process of its own (the default).
+            processes.update({"engine core": pid for pid in _child_pids(worker)})
             if service.redis_server is not None and service.redis_server.process is not None:
                 processes["redis"] = service.redis_server.process.pid
             try:
@@ -286,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"CPU seconds of the timed serve run: {line}", end="")
         if offline is not None and offline.get("cpu_seconds"):
             service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
-            print(f"; offline {offline['cpu_seconds']:.1f}; service (worker + api + redis) / offline: "
+            print(f"; offline {offline['cpu_seconds']:.1f}; service (worker, its engine core, api, redis) / offline: "
                   f"{service_cpu / offline['cpu_seconds']:.2f}x", end="")
         print()
     if args.json:

@@ -13,7 +13,8 @@ replaces the work loop. One tick:
 3. queue the round trip of what the previous step produced (`_send_sync`) and hand it to
    the I/O thread: every job's new text to its stream and partial result to its hash, the
    results of the jobs it finished (RQ's success writes, one script call for all of them)
-   with their streams' "end", the engine stats to the worker's hash, and _SYNC: the api's
+   with their streams' "end", the engine stats to the worker's hash, and SYNC_SCRIPT
+   (worker/rq/round_trip.py, where the round trip's parts and replies are named): the api's
    cancel counter, which in-flight jobs are no longer ours, and up to the free capacity of
    new job ids (taken only while the engine has no backlog, so queued jobs stay in Redis
    for other workers): from the interactive queue first, then from the batch queue
@@ -89,49 +90,14 @@ from pagedq.redis_schema import (
 )
 from pagedq.settings import Settings
 from worker.rq.publisher import ProgressPublisher, Sending, start_progress
+from worker.rq.reaper import Reaper
+from worker.rq.round_trip import CheckedJob, RoundTripReplies, SyncAnswer, call_sync
 from worker.rq.step_heartbeats import StepHeartbeats
 
 if TYPE_CHECKING:
     from pagedq.front.llm_engine import LLMEngine
     from pagedq.outputs import RequestOutput
 
-# One round trip per tick for what the worker must learn from Redis:
-# 1. the api's cancel counter (see redis_schema.cancels_key);
-# 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
-#    requeued), run by another worker, or this execution gone from its queue's started
-#    registry (reaped after a stall); their positions, 1-based;
-# 3. up to ARGV[3] new job ids, moved from a queue to its intermediate list (RQ's
-#    crash-safe hand-off): from each queue in turn, at most its own limit from each;
-# 4. each queue's length after that.
-# KEYS: the cancel counter, (queue, intermediate list) per queue in order of preference,
-# then (job hash, its queue's started registry) per checked job. ARGV: the started status,
-# this worker's name, how many ids to take, the number of queues, each queue's limit, then
-# each checked job's execution composite key.
-_SYNC = """
-local queues = tonumber(ARGV[4])
-local first_job = 2 + 2 * queues
-local lost = {}
-for i = first_job, #KEYS, 2 do
-    local n = (i - first_job) / 2 + 1
-    local job = redis.call('HMGET', KEYS[i], 'status', 'worker_name')
-    if job[1] ~= ARGV[1] or job[2] ~= ARGV[2] or not redis.call('ZSCORE', KEYS[i + 1], ARGV[4 + queues + n]) then
-        lost[#lost + 1] = n
-    end
-end
-local taken, depths = {}, {}
-local want = tonumber(ARGV[3])
-for q = 1, queues do
-    local limit = tonumber(ARGV[4 + q])
-    while #taken < want and limit > 0 do
-        local id = redis.call('LMOVE', KEYS[2 * q], KEYS[2 * q + 1], 'LEFT', 'RIGHT')
-        if not id then break end
-        taken[#taken + 1] = id
-        limit = limit - 1
-    end
-    depths[q] = redis.call('LLEN', KEYS[2 * q])
-end
-return {redis.call('GET', KEYS[1]) or '0', lost, taken, depths}
-"""
 # How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
 _IDLE_WAIT_S = 1.0
 # Pause after a Redis error before the next try.
@@ -213,8 +179,7 @@ class BatchWorker(BaseWorker):
             settings.metrics_prefix,
         )
         self.metrics_port: int | None = None
-        # (queue name, job id) -> when the reaper first saw the id stranded in the queue's intermediate list.
-        self._stranded_since: dict[tuple[str, str], float] = {}
+        self.reaper = Reaper(connection, self.queues, self.serializer, settings.heartbeat_ttl_s, self.log, self.name)
         # Job ids named by stop-job commands; filled by RQ's pubsub thread.
         self._stop_requests: set[str] = set()
         # Jobs whose failure also ends their stream ("end", failed), in the same fenced write.
@@ -366,17 +331,9 @@ class BatchWorker(BaseWorker):
         return any(entry.final is not None for entry in self.inflight.values())
 
     def _reap(self) -> None:
-        """Requeue (or fail, when out of retries) the jobs of workers that stopped beating,
-        and requeue the ids they took but never started."""
-        for queue in self.queues:
-            registry = queue.started_job_registry
-            abandoned = registry.get_expired_job_ids()
-            registry.cleanup()
-            if abandoned:
-                statuses = [job.get_status(refresh=False) if job else None
-                            for job in Job.fetch_many(abandoned, self.connection, serializer=self.serializer)]
-                self.metrics.jobs_requeued += statuses.count(JobStatus.QUEUED)
-            self._requeue_stranded(queue)
+        """Requeue what dead workers left (worker/rq/reaper.py), read the suspension flag,
+        and run RQ's maintenance when due."""
+        self.metrics.jobs_requeued += self.reaper.reap()
         suspended = bool(is_suspended(self.connection))
         if suspended != self._suspended:
             self._suspended = suspended
@@ -384,35 +341,6 @@ class BatchWorker(BaseWorker):
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         self._next_reap = time.monotonic() + self.settings.reaper_interval_s
-
-    def _requeue_stranded(self, queue: Queue) -> None:
-        """Ids that sat in the queue's intermediate list for a heartbeat TTL without being
-        started were taken by a worker that died before starting them (a live one starts
-        what it takes within its tick): back to the queue's front. RQ's own maintenance
-        does this only after minutes."""
-        now = time.monotonic()
-        ids = [as_text(i) for i in self.connection.lrange(queue.intermediate_queue_key, 0, -1)]
-        seen = {(queue.name, job_id): self._stranded_since.get((queue.name, job_id), now) for job_id in ids}
-        self._stranded_since = {key: since for key, since in self._stranded_since.items() if key[0] != queue.name}
-        self._stranded_since.update(seen)
-        stale = [job_id for (_, job_id), since in seen.items() if now - since >= self.settings.heartbeat_ttl_s]
-        for job_id in stale:
-            with self.connection.pipeline() as pipeline:
-                try:
-                    # A stalled worker that starts it meanwhile changes its hash: then it is that worker's.
-                    pipeline.watch(Job.key_for(job_id))
-                    queued = pipeline.hget(Job.key_for(job_id), "status") == JobStatus.QUEUED.value.encode()
-                    pipeline.multi()
-                    pipeline.lrem(queue.intermediate_queue_key, 1, job_id)
-                    if queued:  # else canceled or deleted: nothing to run
-                        pipeline.lpush(queue.key, job_id)
-                    pipeline.execute()
-                except redis.exceptions.WatchError:
-                    continue
-            del self._stranded_since[(queue.name, job_id)]
-            if queued:
-                self.log.warning("Worker %s: requeued %s, stranded by a dead worker in %s", self.name, job_id, queue.name)
-                self.metrics.jobs_requeued += 1
 
     # ---- admission and in-flight checks --------------------------------------------
 
@@ -423,7 +351,7 @@ class BatchWorker(BaseWorker):
     def _send_sync(self, admit: bool = True, full: bool = False) -> _PendingSync:
         """Queue one round trip and start it on the I/O thread: the step's deltas and
         partial results (fenced), the results of the jobs it finished (RQ's success
-        writes, fenced, then each stream's "end"), the engine stats, and _SYNC: the
+        writes, fenced, then each stream's "end"), the engine stats, and SYNC_SCRIPT: the
         cancel counter, which in-flight jobs are no longer ours, and new job ids (while
         admitting: capacity left and no backlog in the engine, so queued jobs stay in
         Redis for other workers), which the I/O thread then marks started.
@@ -450,19 +378,17 @@ class BatchWorker(BaseWorker):
         if pending.finishing:
             self._queue_successes(pipeline, pending.finishing)
         self._publish_engine_stats(pipeline)
-        keys = [cancels_key(self.queue.name)]
-        for queue in self.queues:
-            keys += [queue.key, queue.intermediate_queue_key]
-        for entry in pending.checked:
-            keys += [entry.job.key, entry.queue.started_job_registry.key]
-        args = [JobStatus.STARTED.value, self.name, take, len(self.queues), take, batch_take,
-                *(entry.execution.composite_key for entry in pending.checked)]
-        # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
-        pipeline.eval(_SYNC, len(keys), *keys, *args)
-        pending.future = self._io.submit(self._run_sync, pipeline)
+        self._call_sync(pipeline, take, [take, batch_take], pending.checked)
+        pending.future = self._io.submit(self._run_sync, pipeline, pending)
         return pending
 
-    def _run_sync(self, pipeline) -> tuple[list, list[_Started], Exception | None]:
+    def _call_sync(self, target, take: int, limits: list[int], checked: list[InFlight]):
+        """round_trip.call_sync for this worker's queues and the given in-flight jobs."""
+        return call_sync(target, cancels_key(self.queue.name), self.queues, take, limits,
+                         [CheckedJob(entry.job.key, entry.queue.started_job_registry.key, entry.execution.composite_key)
+                          for entry in checked], self.name)
+
+    def _run_sync(self, pipeline, pending: _PendingSync) -> tuple[RoundTripReplies, list[_Started], Exception | None]:
         """On the I/O thread: the round trip, then the start of the jobs it took. Each
         command's reply comes back on its own, a refusal in its place (raise_on_error
         off): a script Redis refused wrote nothing (Redis refuses a script at its first
@@ -470,10 +396,11 @@ class BatchWorker(BaseWorker):
         not by its own reply. A Redis error in the start comes back beside the replies;
         the ids taken but not started are requeued by a reaper, as a dead worker's are."""
         with pipeline:
-            replies = pipeline.execute(raise_on_error=False)
-        if isinstance(replies[-1], Exception):
+            replies = RoundTripReplies.read(pipeline.execute(raise_on_error=False), pending.sending.queued,
+                                            bool(pending.finishing))
+        if isinstance(replies.sync, Exception):
             return replies, [], None
-        taken = [as_text(i) for i in replies[-1][2]]
+        taken = replies.sync.taken
         try:
             return replies, self._start_jobs(taken) if taken else [], None
         except redis.exceptions.RedisError as exc:
@@ -488,33 +415,29 @@ class BatchWorker(BaseWorker):
         except BaseException:
             self.publisher.uncertain(pending.sending)  # the pipeline may have run before the reply was lost
             raise
-        refusals = [reply for reply in replies if isinstance(reply, Exception)]
-        at = 0
         lost_ids: list[str] = []
-        if pending.sending.queued:
-            if isinstance(replies[at], Exception):
-                self.publisher.failed(pending.sending)  # nothing was written: sent again next time
-            else:
-                lost_ids = self.publisher.published(pending.sending, replies[at])
-            at += 1
-        if pending.finishing and not isinstance(replies[at], Exception):
+        if isinstance(replies.published, Exception):
+            self.publisher.failed(pending.sending)  # nothing was written: sent again next time
+        elif pending.sending.queued:
+            lost_ids = self.publisher.published(pending.sending, replies.published)
+        if pending.finishing and not isinstance(replies.successes, Exception):
             # (Refused: the jobs keep their final output and are recorded by a later round trip.)
-            self._record_successes(pending.finishing, replies[at])
-        if isinstance(replies[-1], Exception):
+            self._record_successes(pending.finishing, replies.successes)
+        sync = replies.sync
+        if isinstance(sync, Exception):
             # Nothing learned of cancels or new jobs this time: the next round trip asks again.
-            raise _first_refusal(refusals)
-        cancels, lost_positions, _, depths = replies[-1]
-        self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, depths)}
-        lost = {pending.checked[position - 1].request_id: pending.checked[position - 1] for position in lost_positions}
+            raise _first_refusal(replies.refusals)
+        self.metrics.queue_depth = {queue.name: depth for queue, depth in zip(self.queues, sync.depths)}
+        lost = {pending.checked[position - 1].request_id: pending.checked[position - 1] for position in sync.lost_positions}
         for entry in self.inflight.values():
             if entry.job.id in lost_ids:
                 lost[entry.request_id] = entry
         full = pending.full
-        if not full and cancels != self._cancels_seen:
+        if not full and sync.cancels != self._cancels_seen:
             # A job was canceled somewhere: look at every one of ours now.
             self._check_all(lost)
             full = True
-        self._cancels_seen = cancels
+        self._cancels_seen = sync.cancels
         if full:
             self._next_full_check = time.monotonic() + self.settings.reaper_interval_s
         if lost:
@@ -525,20 +448,14 @@ class BatchWorker(BaseWorker):
             self._hand_to_engine(item)
         if start_error is not None:
             raise start_error
-        if refusals:
-            raise _first_refusal(refusals)
+        if replies.refusals:
+            raise _first_refusal(replies.refusals)
         return bool(started)
 
     def _check_all(self, lost: dict[str, InFlight]) -> None:
         running = [entry for entry in self.inflight.values() if entry.final is None]
-        keys = [cancels_key(self.queue.name)]
-        for queue in self.queues:
-            keys += [queue.key, queue.intermediate_queue_key]
-        for entry in running:
-            keys += [entry.job.key, entry.queue.started_job_registry.key]
-        args = [JobStatus.STARTED.value, self.name, 0, len(self.queues), 0, 0, *(entry.execution.composite_key for entry in running)]
-        _, lost_positions, _, _ = self.connection.eval(_SYNC, len(keys), *keys, *args)
-        for position in lost_positions:
+        answer = SyncAnswer.read(self._call_sync(self.connection, 0, [0, 0], running))
+        for position in answer.lost_positions:
             lost[running[position - 1].request_id] = running[position - 1]
 
     def _wait_for_work(self) -> None:

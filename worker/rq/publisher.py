@@ -21,6 +21,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from redis import Redis
 from redis.client import Pipeline
@@ -38,6 +39,25 @@ from pagedq.redis_schema import (
     stream_key,
     write_progress,
 )
+
+
+class Delta(NamedTuple):
+    """One delta event for PUBLISH_STEP_SCRIPT (its DELTA_ARGS, in this order)."""
+
+    index: int
+    text: str
+    # Output `index`'s tokens so far, this delta's included.
+    num_tokens: int
+    # The stream's first delta: it sets the stream's TTL.
+    new: bool
+    # The JSON of the delta's tokens' logprobs, "" when not asked for.
+    logprobs: str
+    # The stream may hold it already (an earlier send's reply was lost): written only if not.
+    check: bool
+
+    def args(self) -> tuple[int, str, int, int, str, int]:
+        return self.index, self.text, self.num_tokens, int(self.new), self.logprobs, int(self.check)
+
 
 
 @dataclass
@@ -155,15 +175,15 @@ class ProgressPublisher:
                 continue
             self._dirty.discard(seq_id)
             outputs = state.output.outputs
-            deltas: list[str | int] = []
+            deltas: list[Delta] = []
             if state.stream:
                 # After an uncertain send the script looks at what the stream has before each write.
-                check = int(bool(state.unsure))
+                check = bool(state.unsure)
                 for index, completion in enumerate(outputs):
                     for start_char, end_char, start_token, end_token in _pieces(state, index):
                         state.next_delta_at = now + self.stream_interval_s
-                        deltas += [index, completion.text[start_char:end_char], end_token, int(not started),
-                                   _logprobs_json(completion, start_token, end_token), check]
+                        deltas.append(Delta(index, completion.text[start_char:end_char], end_token, not started,
+                                            _logprobs_json(completion, start_token, end_token), check))
                         started = True
             meta = b""
             # Partial results are rewritten whole, so they are throttled; deltas never are.
@@ -175,7 +195,7 @@ class ProgressPublisher:
             if not deltas and not meta:
                 continue
             keys += [state.job.key, stream_key(seq_id)]
-            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas) // DELTA_ARGS, *deltas]
+            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas), *(arg for delta in deltas for arg in delta.args())]
             sending.jobs.append(seq_id)
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
