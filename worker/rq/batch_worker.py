@@ -508,6 +508,8 @@ class BatchWorker(BaseWorker):
         job, execution = item.job, item.execution
         queue = self._queues_by_name.get(job.origin, self.queue)
         self.executions[execution.id] = execution
+        # Before the engine has it: a core in its own process may time the first token before add_to returns.
+        started_at = time.time()
         try:
             if item.error is not None:
                 raise item.error[1]
@@ -517,7 +519,7 @@ class BatchWorker(BaseWorker):
             job.retries_left = 0
             self._finalize_failure(job, queue, execution, sys.exc_info())
             return
-        self.inflight[execution.id] = InFlight(job, queue, execution, item.payload, started_at=time.time())
+        self.inflight[execution.id] = InFlight(job, queue, execution, item.payload, started_at=started_at)
         self.publisher.track(job, item.progress, stream=item.payload.stream)
 
     def _drop(self, lost: list[InFlight]) -> None:
