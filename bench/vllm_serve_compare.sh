@@ -23,5 +23,5 @@ for round in $(seq "$ROUNDS"); do
     --dtype float32 > /tmp/vllm-serve.log 2>&1 &
   vllm=$!
   wait_for http://127.0.0.1:8022/v1/models && bench 8022 "$round"
-  kill -INT -- -$vllm; wait $vllm
+  kill -INT -- -$vllm 2>/dev/null; wait $vllm
 done
