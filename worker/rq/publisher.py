@@ -106,19 +106,19 @@ class Sending:
     queued: bool = False
 
 
-def _pad(counts: list[int], length: int) -> list[int]:
-    """`counts` with a 0 for each output that has none yet (n > 1 outputs appear when the prompt is done)."""
-    return counts + [0] * (length - len(counts))
+def _count(counts: list[int], index: int) -> int:
+    """Output `index`'s entry in `counts`, 0 when it has none yet (n > 1 outputs appear when the prompt is done)."""
+    return counts[index] if index < len(counts) else 0
 
 
 def _pieces(state: _Published, index: int) -> list[tuple[int, int, int, int]]:
     """(first char, end char, first token, end token) of each delta output `index` needs: one
     from what the stream surely has to now, split where each uncertain send ended."""
     completion = state.output.outputs[index]
-    ends = [(_pad(chars, index + 1)[index], _pad(tokens, index + 1)[index]) for chars, tokens in state.unsure]
+    ends = [(_count(chars, index), _count(tokens, index)) for chars, tokens in state.unsure]
     ends.append((len(completion.text), len(completion.token_ids)))
     pieces = []
-    start_char, start_token = _pad(state.sent_chars, index + 1)[index], _pad(state.sent_tokens, index + 1)[index]
+    start_char, start_token = _count(state.sent_chars, index), _count(state.sent_tokens, index)
     for end_char, end_token in ends:
         if end_token > start_token:
             pieces.append((start_char, end_char, start_token, end_token))
@@ -157,9 +157,9 @@ class ProgressPublisher:
     def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
         """Queue everything recorded since the last send into `pipeline` as one script
         call; once the pipeline has run, pass its reply to published() (or the Sending to
-        failed(), if it did not run). `fence(seq_id)`: the composite key of the job's
-        execution, whose ownership the script checks before writing (None: unfenced). Only one Sending may be in
-        flight: the next publish() follows published() or failed()."""
+        failed() if Redis refused the script, uncertain() if the reply was lost). `fence(seq_id)`:
+        the composite key of the job's execution, whose ownership the script checks before writing
+        (None: unfenced). Only one Sending may be in flight: the next publish() follows one of those."""
         sending = Sending()
         if not self._dirty:
             return sending
