@@ -114,7 +114,7 @@ class ProcessCoreClient:
         # The finalizer holds every socket: one collected with the client in the same garbage
         # cycle, before the finalizer runs, is out of the context's sight but still open, and
         # the context's term() would wait for it forever.
-        self._finalizer = weakref.finalize(self, _stop, self._process, (self._inputs, self._outputs), self._context,
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._inputs, self._outputs, self._context,
                                            self._socket_dir, self._encoder.encode(Shutdown()))
         self._process.stdin.write(json.dumps(settings).encode())
         self._process.stdin.close()
@@ -193,10 +193,9 @@ class ProcessCoreClient:
         self._finalizer()
 
 
-def _stop(process: subprocess.Popen, sockets: tuple, context, socket_dir: str, shutdown_message: bytes) -> None:
+def _stop(process: subprocess.Popen, inputs, outputs, context, socket_dir: str, shutdown_message: bytes) -> None:
     import zmq
 
-    inputs = sockets[0]
     try:
         inputs.send(shutdown_message, flags=zmq.NOBLOCK)
     except zmq.ZMQError:
@@ -206,7 +205,7 @@ def _stop(process: subprocess.Popen, sockets: tuple, context, socket_dir: str, s
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=5)
-    for socket in sockets:
+    for socket in (inputs, outputs):
         socket.close(linger=0)
     context.term()
     shutil.rmtree(socket_dir, ignore_errors=True)
