@@ -57,6 +57,12 @@ class DocumentState(BaseModel):
         return [stage_job_id(batch_id, index, self.stage, part) for part in range(self.requests)]
 
 
+def _stage_jobs(record: BatchRecord, summarizer: Summarizer, index: int, state: DocumentState,
+                prompts: list[list[int]]) -> list[tuple[str, JobPayload]]:
+    """The jobs of the document's current stage: (job id, payload), one per prompt."""
+    return [(job_id, summarizer.payload(ids)) for job_id, ids in zip(state.job_ids(record.id, index), prompts)]
+
+
 class LineRefused(ValueError):
     """A document line that cannot run; the message names the field."""
 
@@ -85,7 +91,7 @@ class SummaryLines:
             raise LineRefused("text: the document is empty")
         prompts = summarizer.map_prompts(text)
         state = DocumentState(requests=len(prompts))
-        return state, [(job_id, summarizer.payload(ids)) for job_id, ids in zip(state.job_ids(record.id, index), prompts)]
+        return state, _stage_jobs(record, summarizer, index, state, prompts)
 
     def queue(self, pipeline, record: BatchRecord, index: int, state: DocumentState, jobs: list) -> None:
         """A stage's jobs and the state naming them, in the caller's transaction."""
@@ -172,7 +178,7 @@ class SummaryLines:
             return self._end(record, index, state, "finished")
         prompts = summarizer.reduce_prompts([r.text for r in results])
         state.stage, state.requests = state.stage + 1, len(prompts)
-        jobs = [(job_id, summarizer.payload(ids)) for job_id, ids in zip(state.job_ids(record.id, index), prompts)]
+        jobs = _stage_jobs(record, summarizer, index, state, prompts)
         with self.connection.pipeline() as pipeline:
             pipeline.multi()
             self.queue(pipeline, record, index, state, jobs)
