@@ -11,6 +11,10 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, StrictStr, field_validator, model_validator
 
 from pagedq.request_rules import SEED_MAX, SEED_MIN, ValidInput
+from pagedq.structured_outputs_params import StructuredOutputsParams
+
+# vLLM clamps each logit_bias value to this range (as OpenAI's API defines it).
+LOGIT_BIAS_LIMIT = 100.0
 
 # Sampling with these settings is deterministic argmax.
 _GREEDY_EPS = 1e-5
@@ -36,6 +40,16 @@ class SamplingParams(ValidInput):
     logprobs: int | None = Field(None, ge=0, le=20)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Added to a token's logit before sampling (token id -> bias, clamped to [-100, 100])."
+    )
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these tokens may be sampled.")
+    bad_words: list[StrictStr] | None = Field(
+        None, description="Words never generated: a word's last token is banned wherever its other tokens precede it."
+    )
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="The output follows a JSON schema, a regex, a choice or a grammar (vLLM's field)."
+    )
     spaces_between_special_tokens: bool = Field(
         True,
         description="vLLM's field, accepted for compatibility: pagedq decodes with fast (tokenizers) tokenizers, "
@@ -48,6 +62,31 @@ class SamplingParams(ValidInput):
         items = [value] if isinstance(value, str) else (value or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value):
+        """JSON object keys are text ("50256"), as OpenAI's API sends them: read as token ids."""
+        if isinstance(value, dict):
+            try:
+                return {int(k) if isinstance(k, str) else k: v for k, v in value.items()}
+            except ValueError:
+                raise ValueError("keys must be token ids (integers)") from None
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamp_bias(cls, value: dict[int, float] | None):
+        if value is None:
+            return None
+        return {k: min(max(v, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT) for k, v in value.items()}
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_empty(cls, value: list[str] | None):
+        if value is not None and any(not word.strip() for word in value):
+            raise ValueError("bad words must be non-empty")
         return value
 
     @model_validator(mode="after")

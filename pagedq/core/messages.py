@@ -20,6 +20,7 @@ import msgspec
 
 from pagedq.beam_search import BeamSearchParams
 from pagedq.sampling_params import SamplingParams
+from pagedq.structured_outputs_params import StructuredOutputsParams
 
 
 class AddRequest(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -117,7 +118,10 @@ def _encode_hook(value: Any) -> Any:
 def _decode_hook(kind: type, value: Any) -> Any:
     if kind in (SamplingParams, BeamSearchParams):
         # Validated once, by the front; rebuilt here without checking again.
-        return kind.model_construct(**value)
+        params = kind.model_construct(**value)
+        if value.get("structured_outputs") is not None:
+            params.__dict__["structured_outputs"] = StructuredOutputsParams.model_construct(**value["structured_outputs"])
+        return params
     raise NotImplementedError(f"cannot decode {kind.__name__}")
 
 

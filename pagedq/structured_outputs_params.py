@@ -1,0 +1,92 @@
+"""StructuredOutputsParams: the shape a request's output must take (vLLM V1's field of
+the same name): a JSON schema, any JSON object, a regular expression, one of a list of
+choices, or a grammar (EBNF as xgrammar and llama.cpp's GBNF write it, or Lark).
+
+The one conversion of these into an xgrammar `Grammar` is `to_grammar()`: the api and
+`SamplingParams` call it to refuse what cannot compile (a 4xx naming the field, before
+any job exists), and the engine core calls it again to compile the grammar against its
+tokenizer. Converting needs no tokenizer and takes well under a millisecond.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+from pagedq.request_rules import ValidInput
+
+_KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+_NAMES = {kind: "json" if kind == "json_schema" else kind for kind in _KINDS}
+# xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the user needs what follows.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class StructuredOutputsParams(ValidInput):
+    # `json` is vLLM's name; in Python it would shadow BaseModel.json, so the attribute is json_schema.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_by_name=True, serialize_by_alias=True)
+
+    json_schema: dict[str, Any] | StrictStr | None = Field(
+        None, alias="json", description="A JSON schema (an object or its JSON text)."
+    )
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1, description="The output is exactly one of these.")
+    grammar: StrictStr | None = Field(None, description="EBNF (xgrammar / GBNF, rule `root`) or Lark (rule `start`).")
+    json_object: StrictBool | None = Field(None, description="Any JSON object (OpenAI's response_format json_object).")
+    disable_any_whitespace: StrictBool = Field(
+        False, description="JSON without whitespace between tokens (models tend to loop on whitespace otherwise)."
+    )
+
+    @model_validator(mode="after")
+    def _one_kind_that_compiles(self) -> StructuredOutputsParams:
+        given = [_NAMES[kind] for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of {', '.join(_NAMES.values())} (got {', '.join(given) or 'none'})")
+        self.to_grammar()
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The one field given, by its wire name (json, regex, choice, grammar, json_object)."""
+        return next(_NAMES[kind] for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> str:
+        """Equal for requests that compile to the same grammar."""
+        return json.dumps(self.model_dump(exclude_defaults=True), sort_keys=True)
+
+    def to_grammar(self):
+        """The xgrammar Grammar; ValueError naming the field and xgrammar's reason when it does not convert."""
+        import xgrammar as xgr  # the api imports this module; xgrammar loads only when a request uses it
+
+        kind = self.kind
+        try:
+            if kind == "json":
+                schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+                return xgr.Grammar.from_json_schema(schema, any_whitespace=not self.disable_any_whitespace)
+            if kind == "json_object":
+                if self.disable_any_whitespace:
+                    return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+                return xgr.Grammar.from_json_schema('{"type": "object"}')
+            if kind == "regex":
+                return xgr.Grammar.from_regex(self.regex)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in self.choice))
+            return _grammar_from_text(xgr, self.grammar)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"structured_outputs.{kind}: {_reason(exc)}") from None
+
+
+def _grammar_from_text(xgr, text: str):
+    """EBNF first (its root rule is `root`); a grammar that names `start` is Lark's."""
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except RuntimeError as ebnf_error:
+        if not re.search(r"^\s*\??start\s*:", text, re.MULTILINE):
+            raise ebnf_error
+        return xgr.Grammar.from_lark(text)
+
+
+def _reason(exc: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(exc).strip()).strip()
