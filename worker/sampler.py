@@ -1,8 +1,10 @@
 """Turns one step's logits into one token per row, on the device, with vLLM's sampling semantics.
 
-Order of operations (as in vLLM): logprobs from the raw logits; then logits processors
-that change which token wins (min_tokens masking, repetition / frequency / presence
-penalties); greedy rows take the argmax there, so greedy equals Hugging Face's
+Order of operations (as in vLLM V1): a structured output's grammar mask is applied
+before the sampler (by the engine core, as vLLM's model runner does), so logprobs see it;
+logprobs from those raw logits; then logits processors that change which token wins
+(allowed_token_ids, bad_words, min_tokens masking, logit_bias; then repetition /
+frequency / presence penalties); greedy rows take the argmax there, so greedy equals Hugging Face's
 `generate`; sampled rows go on through temperature, min-p (on the tempered distribution,
 before truncation: vLLM V1 runs it as an argmax-invariant logits processor ahead of its
 top-k/top-p sampler), top-k and top-p, and draw by
@@ -43,6 +45,8 @@ class SamplingRow(Protocol):
     num_output_tokens: int
     # Set when params.seed is not None: the row's own random stream, on the logits' device.
     generator: torch.Generator | None
+    # params.bad_words as token id sequences (the front tokenized them); empty without.
+    bad_words_token_ids: list[list[int]]
 
 
 @dataclass
@@ -123,10 +127,11 @@ class Sampler:
         # comes from its params, worked out once per params object (rows share them).
         sampled_rows: list[int] = []
         penalised: list[int] = []
+        ruled: list[int] = []
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         wanted: list[int] = []
-        needs: dict[int, tuple[bool, bool, bool, bool] | None] = {}
+        needs: dict[int, tuple[bool, bool, bool, bool, bool] | None] = {}
         for i, row in enumerate(rows):
             p = row.params
             key = id(p)
@@ -136,9 +141,14 @@ class Sampler:
                 need = needs[key] = _needs(p)
             if need is None:
                 continue  # greedy, nothing else
-            sampled, penalties, min_tokens, logprobs = need
+            sampled, penalties, min_tokens, logprobs, token_rules = need
             if sampled:
                 sampled_rows.append(i)
+            if token_rules:
+                ruled.append(i)
+                for banned in _bad_words_due(row):
+                    banned_rows.append(i)
+                    banned_tokens.append(banned)
             if penalties:
                 penalised.append(i)
             if min_tokens and row.num_output_tokens < p.min_tokens:
@@ -149,6 +159,8 @@ class Sampler:
                 wanted.append(i)
 
         processed = raw
+        if ruled:
+            processed = _apply_token_rules(processed, [rows[i].params for i in ruled], ruled)
         if banned_rows:
             processed = _ban(processed, banned_rows, banned_tokens)
         if penalised:
@@ -221,15 +233,58 @@ class Sampler:
 _GREEDY_EPS = 1e-5
 
 
-def _needs(p: SamplingParams) -> tuple[bool, bool, bool, bool] | None:
-    """(sampled, penalties, min_tokens, logprobs), or None for plain greedy rows."""
+def _needs(p: SamplingParams) -> tuple[bool, bool, bool, bool, bool] | None:
+    """(sampled, penalties, min_tokens, logprobs, token rules), or None for plain greedy rows."""
     need = (
         p.temperature >= _GREEDY_EPS,
         p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0,
         p.min_tokens > 0,
         p.logprobs is not None,
+        bool(p.allowed_token_ids or p.logit_bias or p.bad_words),
     )
     return need if any(need) else None
+
+
+def _bad_words_due(row: SamplingRow) -> list[int]:
+    """The tokens that would complete one of the row's bad words now: a word's last token,
+    where its earlier tokens end the output (vLLM V1's rule: a one-token word is always
+    banned; the prompt does not count)."""
+    banned = []
+    output = row.output_token_ids
+    for word in row.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix == 0 or (len(output) >= prefix and output[-prefix:] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
+def _apply_token_rules(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
+    """allowed_token_ids (every other token to -inf) and logit_bias (added), for `rows`."""
+    device, vocab_size = logits.device, logits.shape[1]
+    limited: list[int] = []  # rows with allowed_token_ids
+    allowed_at: list[int] = []  # (position among `limited`, token id) pairs of what they allow
+    allowed_ids: list[int] = []
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for row, p in zip(rows, params):
+        if p.allowed_token_ids:
+            allowed_at += [len(limited)] * len(p.allowed_token_ids)
+            allowed_ids += p.allowed_token_ids
+            limited.append(row)
+        if p.logit_bias:
+            bias_rows += [row] * len(p.logit_bias)
+            bias_ids += list(p.logit_bias)
+            bias_values += list(p.logit_bias.values())
+    if limited:
+        index = to_device(limited, torch.int64, device)
+        keep = torch.zeros((len(limited), vocab_size), dtype=torch.bool, device=device)
+        keep[to_device(allowed_at, torch.int64, device), to_device(allowed_ids, torch.int64, device)] = True
+        logits = logits.index_put((index,), logits[index].masked_fill(~keep, float("-inf")))
+    if bias_rows:
+        indices = (to_device(bias_rows, torch.int64, device), to_device(bias_ids, torch.int64, device))
+        logits = logits.index_put(indices, to_device(bias_values, torch.float32, device), accumulate=True)
+    return logits
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ from pagedq.beam_search import BeamSearch
 from pagedq.config import EngineArgs
 from pagedq.core.messages import AddRequest, BeamHypothesis, CoreInfo, CoreOutputs
 from pagedq.core.request import CoreRequest, Sequence, SequenceStatus
+from pagedq.core.structured_outputs import GrammarCompiler, TokenBitmask, new_matcher
 from pagedq.model_info import load_hf_config, resolve_max_model_len
 from scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.host_copy import HostCopy, to_device
@@ -117,6 +119,11 @@ class EngineCore:
         self._out = CoreOutputs()
         # Failures found between steps, for the next step's outputs.
         self._reported: list[tuple[int, str]] = []
+        # Structured outputs, built with the first request that has one.
+        self._grammars: GrammarCompiler | None = None
+        self._bitmask: TokenBitmask | None = None
+        # Requests whose grammar is compiling, with their first sequence: not yet scheduled.
+        self._compiling: list[tuple[CoreRequest, Sequence, Future]] = []
 
     def _fit_max_model_len_to_cache(self) -> None:
         """Every request must fit the cache alone, or preempting the others could not save it."""
@@ -164,19 +171,54 @@ class EngineCore:
         request = CoreRequest(
             message.request_id, message.prompt_token_ids, message.params, arrival_time=message.arrival_time,
             priority=message.priority, eos_token_ids=self._eos_token_ids, max_model_len=self.max_model_len,
-            beam_search=beam, stream=message.stream,
+            beam_search=beam, stream=message.stream, bad_words_token_ids=message.bad_words_token_ids,
         )
         first = self._new_sequence(request, 0)
         request.seqs.append(first)
         if beam is not None:
             beam.live.append(first)
         self.requests[request.request_id] = request
-        self.scheduler.add(first)
+        if message.params.structured_outputs is not None:
+            self._compiling.append((request, first, self._grammar_compiler().submit(message.params.structured_outputs)))
+        else:
+            self.scheduler.add(first)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.args.model, self.vocab_size, self._eos_token_ids)
+            self._bitmask = TokenBitmask(self.vocab_size, self.device)
+        return self._grammars
+
+    def _admit_compiled(self, wait_s: float) -> None:
+        """Schedule the requests whose grammar is ready (waiting up to `wait_s` for one when
+        nothing else runs); a grammar that failed to compile fails its request alone."""
+        if wait_s > 0:
+            wait([future for _, _, future in self._compiling], timeout=wait_s, return_when=FIRST_COMPLETED)
+        still: list[tuple[CoreRequest, Sequence, Future]] = []
+        for request, first, future in self._compiling:
+            if request.request_id not in self.requests:
+                continue  # aborted while it compiled
+            if not future.done():
+                still.append((request, first, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                del self.requests[request.request_id]
+                self.counters.requests_failed += 1
+                self._out.failed.append((request.request_id, str(error)))
+                continue
+            request.grammar = future.result()
+            first.grammar = new_matcher(request.grammar)
+            self.scheduler.add(first)
+        self._compiling = still
 
     def _new_sequence(self, request: CoreRequest, index: int, parent: Sequence | None = None) -> Sequence:
         seq = Sequence(request, index, list(parent.token_ids if parent is not None else request.prompt_token_ids))
         if parent is not None:
             seq.cumulative_logprob = parent.cumulative_logprob
+        if request.grammar is not None:
+            # n > 1 branches before any output token: each output starts the grammar afresh.
+            seq.grammar = new_matcher(request.grammar)
         if request.params.seed is not None:
             # Each of the n outputs gets its own stream, the same whatever else is batched.
             seq.generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
@@ -189,6 +231,8 @@ class EngineCore:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
+            if request.grammar is None and self._compiling:
+                self._compiling = [entry for entry in self._compiling if entry[0] is not request]
             self._end_sequences(request)
             self.counters.requests_aborted += 1
 
@@ -227,6 +271,10 @@ class EngineCore:
         self._out = out = CoreOutputs()
         if self._reported:
             out.failed, self._reported = self._reported, []
+        if self._compiling:
+            # Nothing else to do: wait a little for a grammar instead of spinning.
+            idle = not self._in_flight and not self.scheduler.has_unfinished()
+            self._admit_compiled(0.005 if idle else 0.0)
         try:
             with torch.inference_mode():
                 launched = False
@@ -295,9 +343,12 @@ class EngineCore:
             rows, logits_rows = [rows[i] for i in kept], [logits_rows[i] for i in kept]
             self._renumber(rows)
             failures = len(self._out.failed)
+        masks = None
+        if any(seq.grammar is not None for seq in rows):
+            masks = self._grammar_masks(rows)
         # A request that fails alone in its sampling keeps its rows (ended sequences, their
         # ids unread), so every row stays where the sampled ids have it.
-        sample = self._sample(logits, rows, logits_rows)
+        sample = self._sample(logits, rows, logits_rows, masks)
         if timings is not None:
             timings.phase("sample")
         self.runner.last_sampled = sample.token_ids
@@ -310,6 +361,18 @@ class EngineCore:
             launched.beam_top = HostCopy(list(self.runner.top_logprobs(logits[index], width)))
         self._in_flight.append(launched)
         return True
+
+    def _grammar_masks(self, rows: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+        """The step's token bitmask (a row per sampling row) and the rows it constrains. A
+        grammar must have seen a sequence's last token, which may be in the step still in
+        flight: that step is collected now, its forward queued behind it (see
+        pagedq.core.structured_outputs), so the device has this step's forward to run while
+        the host reads the tokens and fills the masks."""
+        if self._in_flight:
+            self._collect(self._in_flight.popleft())
+        matchers = [seq.grammar if seq.status is SequenceStatus.RUNNING else None for seq in rows]
+        constrained = [i for i, matcher in enumerate(matchers) if matcher is not None]
+        return self._bitmask.fill(matchers), constrained
 
     def _renumber(self, rows: list[Sequence]) -> None:
         """After rows were dropped: each sequence's pending token sits at its new row."""
@@ -436,13 +499,17 @@ class EngineCore:
                 logits[row] = values
             return logits
 
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int]):
-        """Sampling on the device, row i from logits row `index[i]`. Should the batched
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int],
+                masks: tuple[torch.Tensor, list[int]] | None = None):
+        """Sampling on the device, row i from logits row `index[i]`, under the grammar masks
+        (bitmask, the rows it constrains) when there are any. Should the batched
         sampler throw, each request's rows are sampled alone (seeded rows from where their
         generators stood), and a request that throws alone fails."""
         if not rows:
             return _HostSample(SamplerOutput([], [], []), self.device)
         selected = logits if index == list(range(logits.shape[0])) else logits[to_device(index, torch.int64, logits.device)]
+        if masks is not None and masks[1]:
+            self._bitmask.apply(selected, *masks)
         seeded = [(seq.generator, seq.generator.get_state()) for seq in rows if seq.generator is not None]
         try:
             return self.runner.sample(selected, rows)
@@ -490,6 +557,11 @@ class EngineCore:
                 continue
             known = seq.token_ids
             known.append(token)
+            grammar = seq.grammar
+            if grammar is not None and not grammar.accept_token(token):
+                self._fail_request(request, f"sampled token {token}, which its structured output's grammar does not allow "
+                                   "(min_tokens can hold back the only token a finished grammar allows, its eos)")
+                continue
             if request.stream:
                 request_ids.append(request.request_id)
                 seq_indexes.append(seq.index)
@@ -509,6 +581,10 @@ class EngineCore:
                 touched[request.request_id] = request
             elif token in request.stop_reasons:
                 self._finish(seq, "stop", request.stop_reasons[token])
+                touched[request.request_id] = request
+            elif grammar is not None and grammar.is_terminated():
+                # The output is complete (its stop token accepted with ignore_eos, say): nothing more may follow.
+                self._finish(seq, "stop", None)
                 touched[request.request_id] = request
         self.counters.generation_tokens += len(token_ids) - reported + generated
         if launched.beams:

@@ -35,6 +35,8 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False, tag=True):
     # when it ends (`CoreOutputs.completed`). The front asks for the latter when nobody
     # watches the tokens go by (final-only outputs, no stop strings, no logprobs).
     stream: bool = True
+    # params.bad_words as token id sequences (the core has no tokenizer; the front does).
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False, tag=True):

@@ -40,6 +40,7 @@ class CoreRequest:
         "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
         "num_cached_tokens", "beam_search", "branched", "error", "first_scheduled_time",
         "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "stream", "first_token_time",
+        "bad_words_token_ids", "grammar",
     )
 
     def __init__(
@@ -54,6 +55,7 @@ class CoreRequest:
         max_model_len: int,
         beam_search: BeamSearch | None = None,
         stream: bool = True,
+        bad_words_token_ids: list[list[int]] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -74,11 +76,16 @@ class CoreRequest:
         # Whether each step's tokens are reported (else each sequence's, when it ends).
         self.stream = stream
         self.first_token_time: float | None = None
+        self.bad_words_token_ids = bad_words_token_ids or []
+        # The compiled grammar of a structured output (pagedq.core.structured_outputs), once ready.
+        self.grammar: Any = None
         penalties = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         # Needs its last token on the host before its next step: beam search picks the next
-        # beams there, and penalties count output tokens there. Such a request sits out
-        # the step after each of its steps (see EngineCore); every other request runs ahead.
-        self.sync = beam_search is not None or penalties
+        # beams there, penalties count output tokens there, bad words match them there.
+        # Such a request sits out the step after each of its steps (see EngineCore); every
+        # other request runs ahead. (A grammar needs its last token too, but only before
+        # sampling: the core collects the step before early instead, see EngineCore.)
+        self.sync = beam_search is not None or penalties or bool(self.bad_words_token_ids)
         self.wants_logprobs = params.logprobs is not None
         # The length limit (vLLM checks it first): max_tokens, or the context's end.
         limit = params.max_tokens if params.max_tokens is not None else math.inf
@@ -101,6 +108,7 @@ class Sequence:
         "request", "index", "uid", "token_ids", "num_prompt_tokens", "num_pending", "num_computed_tokens",
         "status", "cumulative_logprob", "generator", "num_preemptions",
         "sort_key", "sample_step", "sample_row", "max_num_tokens", "params", "prompt_token_ids",
+        "bad_words_token_ids", "grammar",
     )
 
     def __init__(self, request: CoreRequest, index: int, token_ids: list[int]):
@@ -108,6 +116,9 @@ class Sequence:
         # The request's, here for the sampler, which reads them every step.
         self.params = request.params
         self.prompt_token_ids = request.prompt_token_ids
+        self.bad_words_token_ids = request.bad_words_token_ids
+        # A structured output's matcher: where this sequence's tokens have taken its grammar.
+        self.grammar: Any = None
         # 0..n-1: which of the request's outputs this is.
         self.index = index
         # The block manager's key: unique inside the engine (a beam differs from the one it replaced).

@@ -75,3 +75,21 @@ class InputProcessor:
             raise ValueError(f"logprobs: {params.logprobs} alternatives, more than the vocabulary's {self.vocab_size} tokens")
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("stop: stop strings need a tokenizer (the engine was built with skip_tokenizer_init)")
+        for field, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{field}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        for field in ("bad_words", "structured_outputs"):
+            if self.tokenizer is None and getattr(params, field):
+                raise ValueError(f"{field}: needs a tokenizer (the engine was built with skip_tokenizer_init)")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as the token sequences it can appear as: alone, and after a space
+        (vLLM V1's two spellings; a leading-space token is a different id in BPE vocabularies)."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words or ():
+            for spelling in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences

@@ -123,6 +123,7 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         text, token_ids = processor.tokenize(prompt)
         processor.check(token_ids, sampling, beam)
+        bad_words = processor.bad_words_token_ids(sampling)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         core_id = next(self._core_ids)
         state = RequestState(request_id, core_id, text, token_ids, sampling, beam, output_kind, arrival_time,
@@ -132,7 +133,7 @@ class LLMEngine:
         stream = output_kind is not RequestOutputKind.FINAL_ONLY or bool(sampling.stop_strings) or (
             sampling.logprobs is not None
         )
-        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam, stream))
+        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam, stream, bad_words))
         self._states[request_id] = state
         self.output_processor.add(state)
 

@@ -1,0 +1,245 @@
+"""Structured outputs (vLLM V1's `structured_outputs`: json, regex, choice, grammar,
+json_object) and the token rules beside them (logit_bias, allowed_token_ids, bad_words),
+offline on a tiny random model: whatever the model would say, the output takes the shape
+asked for, every way the engine steps (overlapped steps collect the step before early to
+fill the mask), with n > 1, preemption and unconstrained requests in the same batch."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from pydantic import BaseModel, Field
+
+from pagedq import LLM, SamplingParams
+from pagedq.core.messages import AddRequest
+from pagedq.structured_outputs_params import StructuredOutputsParams
+
+
+class Tag(BaseModel):
+    label: str = Field(max_length=6)
+
+
+class Item(BaseModel):
+    """Bounded everywhere, so a random model's output ends within max_tokens."""
+
+    name: str = Field(max_length=8)
+    count: int = Field(ge=-5, le=999)
+    ratio: float | None = None
+    tags: list[Tag] = Field(max_length=3)
+
+
+SCHEMA = Item.model_json_schema()
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no", "maybe later"]
+# EBNF (xgrammar's, as llama.cpp's GBNF): a sum of small numbers.
+GRAMMAR = 'root ::= num (" + " num)* " = ?"\nnum ::= [1-9] [0-9]?'
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+def check_shape(kind: str, text: str) -> None:
+    if kind == "json":
+        # strict=False: xgrammar's rule for a string with maxLength admits raw control
+        # characters (as vLLM's output would hold them), which strict JSON parsers refuse.
+        Item.model_validate(json.loads(text, strict=False))
+    elif kind == "json_object":
+        assert isinstance(json.loads(text, strict=False), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    else:
+        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)* = \?", text), text
+
+
+SHAPES = {
+    "json": {"json": SCHEMA, "disable_any_whitespace": True},
+    "json_object": {"json_object": True, "disable_any_whitespace": True},
+    "regex": {"regex": REGEX},
+    "choice": {"choice": CHOICES},
+    "grammar": {"grammar": GRAMMAR},
+}
+
+
+def test_every_kind_takes_its_shape_sampled_and_greedy_with_n(model, overlap):
+    llm = LLM(model, dtype="float32", device="cpu", async_scheduling=overlap)
+    rng = random.Random()
+    prompts, params, kinds = [], [], []
+    for kind, shape in SHAPES.items():
+        for temperature in (0.0, 1.0):
+            prompts.append(" ".join(rng.choice(["a", "b", "cd", "xyz"]) for _ in range(rng.randint(1, 12))))
+            params.append(SamplingParams(
+                max_tokens=200, temperature=temperature, seed=rng.randrange(2**31), n=1 if temperature == 0 else 3,
+                structured_outputs=shape,
+            ))
+            kinds.append(kind)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for kind, output in zip(kinds, outputs):
+        for completion in output.outputs:
+            if kind == "json_object" and completion.finish_reason == "length":
+                # Any object may nest without end: a cut-off one is still an object's beginning.
+                assert completion.text.startswith("{")
+                continue
+            assert completion.finish_reason == "stop", (kind, completion.text)
+            check_shape(kind, completion.text)
+    assert llm.llm_engine.engine_core.block_manager.num_free_blocks == llm.llm_engine.engine_core.block_manager.num_total_blocks
+
+
+def test_constrained_requests_leave_their_neighbours_unchanged(model, overlap):
+    """The mask applies to its own rows only: greedy unconstrained outputs are the same with
+    constrained requests beside them as alone."""
+    llm = LLM(model, dtype="float32", device="cpu", async_scheduling=overlap)
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["one two three", "the quick brown fox", "z"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    mixed_prompts = [p for prompt in prompts for p in (prompt, prompt)]
+    mixed_params = [p for _ in prompts for p in (plain, SamplingParams(max_tokens=24, structured_outputs=SHAPES["regex"]))]
+    mixed = llm.generate(mixed_prompts, mixed_params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[::2]] == alone
+    for output in mixed[1::2]:
+        check_shape("regex", output.outputs[0].text)
+
+
+def test_grammar_survives_preemption(model):
+    """A cache too small for everyone: sequences are preempted and recomputed mid-output,
+    their matchers keep their place."""
+    llm = LLM(model, dtype="float32", device="cpu", num_gpu_blocks_override=12, block_size=16, max_num_seqs=8)
+    params = SamplingParams(max_tokens=150, temperature=1.0, structured_outputs=SHAPES["json"])
+    outputs = llm.generate(["p"] * 8, params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.preemptions.recompute > 0
+    for output in outputs:
+        check_shape("json", output.outputs[0].text)
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(model, overlap):
+    """The api refuses what does not convert; should one reach the core anyway (here built
+    without the check), its request fails with the reason and the others finish."""
+    llm = LLM(model, dtype="float32", device="cpu", async_scheduling=overlap)
+    engine = llm.llm_engine
+    broken = SamplingParams(max_tokens=8)
+    broken.__dict__["structured_outputs"] = StructuredOutputsParams.model_construct(regex="a(b")
+    engine.add_request("ok-1", "hello", SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("broken", "hello", broken)
+    engine.add_request("ok-2", "hello", SamplingParams(max_tokens=40, structured_outputs=SHAPES["choice"]))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert "regex" in finished["broken"].error and "parenthesis" in finished["broken"].error
+    assert len(finished["ok-1"].outputs[0].token_ids) == 8
+    check_shape("choice", finished["ok-2"].outputs[0].text)
+
+
+def test_abort_while_the_grammar_compiles(model):
+    llm = LLM(model, dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    engine.add_request("a", "hello", SamplingParams(max_tokens=8, structured_outputs={"json": {"type": "array"}}))
+    engine.abort_request(["a"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.engine_core.requests and not engine.engine_core._compiling
+    assert llm.generate("x", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_the_grammar_ends_the_output_even_with_ignore_eos(model):
+    """A finished grammar allows only its stop token; with ignore_eos the sequence still ends there ("stop")."""
+    llm = LLM(model, dtype="float32", device="cpu")
+    out = llm.generate("q", SamplingParams(max_tokens=50, ignore_eos=True, structured_outputs=SHAPES["choice"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < 50
+    check_shape("choice", out.text.removesuffix(llm.get_tokenizer().eos_token or ""))
+
+
+def test_compiled_grammars_are_reused(model):
+    llm = LLM(model, dtype="float32", device="cpu")
+    core = llm.llm_engine.engine_core
+    llm.generate(["a", "b"], SamplingParams(max_tokens=30, structured_outputs=SHAPES["json"]), use_tqdm=False)
+    compiler = core._grammars
+    first = compiler.submit(StructuredOutputsParams.model_validate(SHAPES["json"]))
+    assert compiler.submit(StructuredOutputsParams.model_validate(SHAPES["json"])) is first
+    assert len(compiler._compiled) == 1
+
+
+def test_structured_outputs_cross_the_core_process_boundary(model):
+    """AddRequest is msgpack-encoded for a core in its own process: the params survive the trip."""
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True)
+    outputs = llm.generate(["a", "b"], [SamplingParams(max_tokens=60, structured_outputs=SHAPES["regex"]),
+                                        SamplingParams(max_tokens=8, bad_words=["ab"], logit_bias={"7": 50.0})],
+                           use_tqdm=False)
+    check_shape("regex", outputs[0].outputs[0].text)
+    assert all(t == 7 for t in outputs[1].outputs[0].token_ids)
+
+
+# --- the token rules (vLLM V1's logits processors) ------------------------------------------
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(model, overlap):
+    llm = LLM(model, dtype="float32", device="cpu", async_scheduling=overlap)
+    tokenizer = llm.get_tokenizer()
+    rng = random.Random()
+    favourite = rng.randrange(3, 500)
+    allowed = rng.sample(range(3, 500), 5)
+    out = llm.generate(
+        ["a b c", "d e f", "g h i"],
+        [
+            SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, logit_bias={str(favourite): 100.0}),
+            SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, allowed_token_ids=allowed),
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
+    assert out[0].outputs[0].token_ids == [favourite] * 12
+    assert set(out[1].outputs[0].token_ids) <= set(allowed)
+    # Ban the greedy output's most frequent two-token phrase: it never appears again.
+    greedy = out[2].outputs[0].token_ids
+    pair = max(zip(greedy, greedy[1:]), key=lambda p: sum(1 for q in zip(greedy, greedy[1:]) if q == p))
+    word = tokenizer.decode(list(pair))
+    banned = llm.generate("g h i", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=[word]),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    sequences = llm.llm_engine.input_processor.bad_words_token_ids(SamplingParams(bad_words=[word]))
+    for sequence in sequences:
+        n = len(sequence)
+        assert all(banned[i:i + n] != sequence for i in range(len(banned) - n + 1)), (word, sequence, banned)
+    assert banned != greedy
+
+
+def test_token_rules_refuse_ids_outside_the_vocabulary(model):
+    llm = LLM(model, dtype="float32", device="cpu")
+    vocab = llm.llm_engine.vocab_size
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate("a", SamplingParams(allowed_token_ids=[vocab]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("a", SamplingParams(logit_bias={vocab + 3: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.model_validate({"logit_bias": {"not-a-token": 1.0}})
+    # vLLM clamps biases to OpenAI's range.
+    assert SamplingParams.model_validate({"logit_bias": {"3": 1e9}}).logit_bias == {3: 100.0}
+
+
+@pytest.mark.parametrize("shape, field", [
+    ({"regex": "a(b"}, "structured_outputs.regex"),
+    ({"json": '{"type": "bogus"}'}, "structured_outputs.json"),
+    ({"grammar": "root ::= "}, "structured_outputs.grammar"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+    ({}, "exactly one of"),
+])
+def test_a_shape_that_does_not_convert_is_refused_naming_it(shape, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        SamplingParams(structured_outputs=shape)
+
+
+def test_add_request_message_carries_the_new_fields():
+    from pagedq.core.messages import encoder, input_decoder
+
+    params = SamplingParams(logit_bias={"3": 2.0}, structured_outputs=SHAPES["json"])
+    decoded = input_decoder().decode(encoder().encode(AddRequest(1, [1, 2], params, 0.0, bad_words_token_ids=[[4, 5]])))
+    assert decoded.params.logit_bias == {3: 2.0}
+    assert decoded.params.structured_outputs.cache_key() == params.structured_outputs.cache_key()
+    assert decoded.bad_words_token_ids == [[4, 5]]
