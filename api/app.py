@@ -9,6 +9,7 @@ OpenAI-compatible, over the same queue: /v1/models, /v1/completions, /v1/chat/co
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from contextlib import asynccontextmanager, suppress
 
@@ -31,6 +32,7 @@ from api.threads import blocking_limiter
 from pagedq.metrics import ApiMetrics
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
+from pagedq.structured_outputs_params import preload_grammar_engine
 # Longer than any blocking read the api makes (StreamReader.poll_s).
 _REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
 
@@ -85,6 +87,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.files = FileStore(redis, settings)
         app.state.batches = BatchStore(redis, settings, store, app.state.files, app.state.openai)
         background = [asyncio.create_task(supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
+        # Off the event loop: requests are served while it loads.
+        threading.Thread(target=preload_grammar_engine, name="preload-xgrammar", daemon=True).start()
         yield
         for task in background:
             task.cancel()

@@ -78,6 +78,13 @@ class StructuredOutputsParams(ValidInput):
             raise ValueError(f"structured_outputs.{kind}: {_reason(exc)}") from None
 
 
+def preload_grammar_engine() -> None:
+    """Import xgrammar now (2.5 s here: it brings torch and transformers), so that the first
+    request with a shape does not stall every other request behind that import. The api
+    calls it on a thread at startup, the worker before it takes jobs."""
+    import xgrammar  # noqa: F401
+
+
 def _grammar_from_text(xgr, text: str):
     """EBNF first (its root rule is `root`); a grammar that names `start` is Lark's."""
     try:

@@ -4,6 +4,7 @@ offline engine on the same tiny model, and against RQ's own view of the jobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -297,6 +298,23 @@ def test_beam_search_returns_every_beam_best_first(service, client, model):
     prompt_len = result["usage"]["prompt_tokens"]
     assert [b["token_ids"] for b in result["beams"]] == [s.tokens[prompt_len:] for s in offline.sequences]
     assert result["token_ids"] == result["beams"][0]["token_ids"] and result["text"] == result["beams"][0]["text"]
+
+
+def test_structured_outputs_and_token_rules_through_the_queue(service, client):
+    """The payload's new fields survive RQ's JSON (logit_bias keys become text and come back
+    as token ids) and reach the worker's engine core; a shape that does not convert is
+    refused before any job exists (422 naming the field), and the bystander's job is unharmed."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}
+    bystander = client.submit(prompt="hello there", max_tokens=12, ignore_eos=True)["seq_id"]
+    shaped = client.submit(prompt="a number", max_tokens=40, temperature=1.0,
+                           structured_outputs={"json": schema, "disable_any_whitespace": True})["seq_id"]
+    biased = client.submit(prompt="x", max_tokens=6, ignore_eos=True, logit_bias={"9": 100}, bad_words=["zz"])["seq_id"]
+    refused = httpx.post(f"{client.base_url}/generate", json={"prompt": "a", "structured_outputs": {"regex": "a(b"}}, timeout=10)
+    assert refused.status_code == 422 and "structured_outputs.regex" in refused.text
+    result = client.wait(shaped)
+    assert result["finish_reason"] == "stop" and 0 <= json.loads(result["text"])["n"] <= 99
+    assert client.wait(biased)["token_ids"] == [9] * 6
+    assert len(client.wait(bystander)["token_ids"]) == 12
 
 
 def test_a_worker_whose_engine_core_runs_in_its_own_process(service, model, tmp_path):

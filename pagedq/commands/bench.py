@@ -1,4 +1,4 @@
-"""`pagedq bench {offline,serve,host,kernels,cpu-kernels,prefix-cache,submit,chaos,summarize}`: each subcommand's module brings its own arguments
+"""`pagedq bench {offline,serve,host,kernels,cpu-kernels,prefix-cache,submit,chaos,summarize,structured}`: each subcommand's module brings its own arguments
 (`add_arguments(parser)`) and entry point (`run(args) -> int`)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "submit": ("pagedq.bench.submit", "how fast the api accepts jobs: N concurrent POST /generate"),
     "chaos": ("pagedq.bench.chaos", "a soak under faults: no job lost, duplicated or stuck"),
     "summarize": ("pagedq.bench.summarize", "a long document's summary batch: the map stage vs the offline engine"),
+    "structured": ("pagedq.bench.structured", "what structured outputs cost: a batch half under a JSON schema vs all free"),
 }
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedq.config import EngineArgs
 from pagedq.settings import Settings
+from pagedq.structured_outputs_params import preload_grammar_engine
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,7 @@ def build_engine(settings: Settings) -> LLMEngine:
     # share one GIL (`pagedq bench serve`, bench/results/2026-11-26-serve-core-process.md).
     given.setdefault("core_process", True)
     args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
+    preload_grammar_engine()  # jobs with a shape are validated here too: not at the first one's cost
     return LLMEngine.from_engine_args(args)
 
 
