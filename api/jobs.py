@@ -231,7 +231,8 @@ class JobStore:
             result = GenerationResult.model_validate(job.return_value())
             return ResultResponse(
                 seq_id=seq_id, status=state, text=result.text, token_ids=result.token_ids,
-                finish_reason=result.finish_reason, completions=result.completions, beams=result.beams, usage=result.usage, timings=result.timings,
+                finish_reason=result.finish_reason, prompt_logprobs=result.prompt_logprobs, completions=result.completions,
+                beams=result.beams, usage=result.usage, timings=result.timings,
             )
         progress = read_progress(job)
         timings.first_token = progress.first_token

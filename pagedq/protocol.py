@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from pagedq.beam_search import BeamSearchParams
-from pagedq.outputs import CompletionOutput, FinishReason, RequestOutput
+from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from pagedq.redis_schema import InvalidJob, JobState
 from pagedq.request_rules import ValidInput, describe_invalid
 from pagedq.sampling_params import SamplingParams
@@ -141,6 +141,11 @@ class JobPayload(ValidInput):
             raise InvalidJob(str(exc)) from None
 
 
+def logprob_dicts(steps: list[dict[int, Logprob]]) -> list[dict[str, float]]:
+    """Logprobs as JSON holds them: {token id as text: logprob} per token."""
+    return [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in steps]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -171,7 +176,7 @@ class Completion(BaseModel):
     def from_output(cls, output: CompletionOutput, index: int) -> Completion:
         logprobs = None
         if output.logprobs is not None:
-            logprobs = [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in output.logprobs]
+            logprobs = logprob_dicts(output.logprobs)
         return cls(
             index=index, text=output.text, token_ids=list(output.token_ids), cumulative_logprob=output.cumulative_logprob,
             logprobs=logprobs, finish_reason=output.finish_reason, stop_reason=output.stop_reason,
@@ -188,6 +193,9 @@ class GenerationResult(BaseModel):
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[dict[str, float]] | None = None
+    # With prompt_logprobs: per prompt token, None for the first, then {token id: logprob}
+    # (the top alternatives and the prompt's own token).
+    prompt_logprobs: list[dict[str, float] | None] | None = None
     # n > 1: every sample, by index.
     completions: list[Completion] | None = None
     # Beam search: every beam, best first.
@@ -212,6 +220,7 @@ class GenerationResult(BaseModel):
             stop_reason=first.stop_reason,
             cumulative_logprob=first.cumulative_logprob,
             logprobs=first.logprobs,
+            prompt_logprobs=[None, *logprob_dicts(output.prompt_logprobs[1:])] if output.prompt_logprobs else None,
             completions=outputs if many and payload.beam is None else None,
             beams=outputs if payload.beam is not None else None,
             usage=Usage(
@@ -247,6 +256,7 @@ class ResultResponse(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[dict[str, float] | None] | None = None
     completions: list[Completion] | None = None
     beams: list[Completion] | None = None
     usage: Usage | None = None

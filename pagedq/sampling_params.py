@@ -38,6 +38,11 @@ class SamplingParams(ValidInput):
     max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context length.")
     min_tokens: int = Field(0, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="Per prompt token after the first, its logprob given the tokens before it, with the top "
+        "`prompt_logprobs` alternatives (vLLM's; computed without the prefix cache).",
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = Field(

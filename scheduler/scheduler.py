@@ -30,7 +30,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Literal
 
-from blockmgr import BlockCopies, BlockManager
+from blockmgr import BlockCopies, BlockManager, PrefixHit
 from pagedq.core.request import Sequence, SequenceStatus
 
 PreemptionMode = Literal["recompute", "swap"]
@@ -243,7 +243,7 @@ class Scheduler:
             seq = self._waiting[0][2]
             if slots + self._slots(seq) > self.config.max_num_seqs:
                 break
-            hit = bm.find_prefix(seq.token_ids)
+            hit = bm.find_prefix(seq.token_ids) if seq.request.reads_prefix_cache else PrefixHit()
             target = hit.num_tokens + min(seq.num_tokens - hit.num_tokens, budget)
             # With nothing running, the watermark protects nobody; waiting on it would stall.
             if not bm.can_admit(hit, target, use_watermark=bool(self.running)):

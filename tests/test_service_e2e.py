@@ -317,6 +317,20 @@ def test_structured_outputs_and_token_rules_through_the_queue(service, client):
     assert len(client.wait(bystander)["token_ids"]) == 12
 
 
+def test_prompt_logprobs_come_back_in_the_result(service, client, model):
+    from pagedq import LLM, SamplingParams
+
+    prompt = [5, 17, 99, 3, 250, 8]
+    result = client.wait(client.submit(prompt_token_ids=prompt, max_tokens=2, prompt_logprobs=2)["seq_id"])
+    offline = LLM(model=str(model), device="cpu").generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0].prompt_logprobs
+    assert result["prompt_logprobs"][0] is None and len(result["prompt_logprobs"]) == len(prompt)
+    for served, expected in zip(result["prompt_logprobs"][1:], offline[1:]):
+        assert {int(t) for t in served} == set(expected)
+        for token, logprob in served.items():
+            assert logprob == pytest.approx(expected[int(token)].logprob, abs=1e-4)
+
+
 def test_a_worker_whose_engine_core_runs_in_its_own_process(service, model, tmp_path):
     """PAGEDQ_CORE_PROCESS with overlapped steps: the same tokens as the offline engine,
     streamed; the core process leaves with its worker."""

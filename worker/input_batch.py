@@ -18,7 +18,7 @@ arrays are used in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +46,16 @@ class StepPlan:
     # Whose each scheduled sequence is (the engine core's sequences; the device side never
     # reads them): what a failure is traced back to.
     owners: list
+    # Indices into token_ids whose logits come back too, after the sequences' rows (the
+    # positions whose next prompt token a request asked the logprob of: prompt_logprobs).
+    extra_logits: list[int] = field(default_factory=list)
+
+    def extra_rows_of(self, indices: list[int]) -> list[int]:
+        """Which of `extra_logits` (their positions there, in order) `subset(indices)` keeps."""
+        firsts = np.cumsum([0, *self.query_lens])
+        owner = np.searchsorted(firsts, self.extra_logits, side="right") - 1
+        kept = set(indices)
+        return [k for k, i in enumerate(owner.tolist()) if i in kept]
 
     def subset(self, indices: list[int]) -> StepPlan:
         """The plan of the scheduled sequences at `indices` (increasing) alone."""
@@ -56,11 +66,13 @@ class StepPlan:
         token_ids: list[int] = []
         pending_at: list[int] = []
         pending_from: list[int] = []
+        moved: dict[int, int] = {}  # token index here -> in the subset
         for i in indices:
             for t in range(firsts[i], firsts[i + 1]):
                 if t in pending:
                     pending_at.append(len(token_ids))
                     pending_from.append(pending[t])
+                moved[t] = len(token_ids)
                 token_ids.append(self.token_ids[t])
         position = {i: j for j, i in enumerate(indices)}
         return StepPlan(
@@ -68,6 +80,7 @@ class StepPlan:
             query_lens=[self.query_lens[i] for i in indices], token_ids=token_ids, pending_at=pending_at,
             pending_from=pending_from, logits_of=[position[i] for i in self.logits_of if i in position],
             changed_rows=self.changed_rows, owners=[self.owners[i] for i in indices],
+            extra_logits=[moved[t] for t in self.extra_logits if t in moved],
         )
 
 
@@ -126,6 +139,8 @@ class InputBatch:
             token_rows = rows[seq_of_token]
             logits_indices = query_start_loc[1:][np.asarray(plan.logits_of, dtype=np.int64)] - 1
             max_query_len = int(q_lens.max())
+        if plan.extra_logits:
+            logits_indices = np.concatenate([logits_indices, np.asarray(plan.extra_logits, dtype=np.int64)])
         seq_lens = starts + q_lens
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)

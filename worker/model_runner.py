@@ -151,8 +151,8 @@ class ModelRunner:
         self.kv_cache.swap_in(out.swap_in)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """One forward over the plan's sequences: float32 logits [len(plan.logits_of), vocab]
-        on the device (queued, not waited for)."""
+        """One forward over the plan's sequences: float32 logits [len(plan.logits_of) +
+        len(plan.extra_logits), vocab] on the device (queued, not waited for)."""
         inputs = self.input_batch.prepare(plan, self.last_sampled)
         if self.step_timings is not None:
             self.step_timings.phase("prepare")

@@ -170,15 +170,15 @@ class Sampler:
         # Normalised only for rows that asked for logprobs: as in vLLM V1, the others get
         # no cumulative_logprob, and a logsumexp over the vocabulary of every row cost 3%
         # of a greedy 56M run on the CPU.
-        logprob_tensors = None
+        tensors = None
         counts: list[int] = []
         if wanted:
             index = to_device(wanted, torch.int64, raw.device) if len(wanted) < len(rows) else None
             wanted_raw = raw if index is None else raw[index]
             chosen = token_ids if index is None else token_ids[index]
             counts = [rows[i].params.logprobs for i in wanted]
-            logprob_tensors = _logprob_tensors(wanted_raw, chosen, max(counts))
-        return DeviceSample(token_ids, len(rows), wanted, counts, logprob_tensors)
+            tensors = logprob_tensors(wanted_raw, chosen, max(counts))
+        return DeviceSample(token_ids, len(rows), wanted, counts, tensors)
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         """What min_tokens holds back: the request's stop_token_ids and eos, even with
@@ -370,7 +370,7 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def _logprob_tensors(logits: torch.Tensor, chosen: torch.Tensor, max_k: int) -> tuple[torch.Tensor, ...]:
+def logprob_tensors(logits: torch.Tensor, chosen: torch.Tensor, max_k: int) -> tuple[torch.Tensor, ...]:
     """Per row (every row asked for logprobs), on the device: the sampled token's logprob,
     the top-`max_k` logprobs and their ids, and the sampled token's rank (vLLM's: 1 + the
     number of tokens strictly more likely)."""

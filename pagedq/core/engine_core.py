@@ -52,7 +52,7 @@ from scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.host_copy import HostCopy, to_device
 from worker.input_batch import StepPlan
 from worker.model_runner import ModelRunner
-from worker.sampler import SamplerOutput
+from worker.sampler import SamplerOutput, logprob_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,16 @@ class _LaunchedStep:
     sample: object  # DeviceSample, or _HostSample when sampling fell back to one request at a time
     beams: list[Sequence] = field(default_factory=list)
     beam_top: HostCopy | None = None  # (top logprobs, their ids), a row per beam
+    prompt_logprobs: _PromptLogprobs | None = None
+
+
+@dataclass
+class _PromptLogprobs:
+    """A step's prompt positions whose next prompt token's logprob was asked for (prompt_logprobs)."""
+
+    segments: list[tuple[CoreRequest, int]] = field(default_factory=list)  # (request, positions), in logits order
+    targets: list[int] = field(default_factory=list)  # the next prompt token of each position
+    copy: HostCopy | None = None  # (target logprob, top values, top ids, target rank), a row per position
 
 
 class _HostSample:
@@ -321,10 +331,14 @@ class EngineCore:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
                 self._out.scheduled.append((request.request_id, now, request.num_cached_tokens))
-        plan, rows, logits_rows, beams, forks, filled = self._plan(sched)
+        plan, rows, logits_rows, beams, forks, filled, prompt_logprobs = self._plan(sched)
         if sched.swap_out or sched.block_copies or sched.swap_in:
             self.runner.move_blocks(sched)
         logits = self._forward(sched, plan)
+        if prompt_logprobs is not None:
+            num_rows = len(plan.logits_of)
+            self._queue_prompt_logprobs(logits[num_rows:], prompt_logprobs)
+            logits = logits[:num_rows]
         # Blocks that this step fills join the prefix cache now that its forward is
         # launched (never before: a block of a request whose forward failed must not be
         # found by anyone).
@@ -352,7 +366,7 @@ class EngineCore:
         if timings is not None:
             timings.phase("sample")
         self.runner.last_sampled = sample.token_ids
-        launched = _LaunchedStep(self._step_id, rows, sample)
+        launched = _LaunchedStep(self._step_id, rows, sample, prompt_logprobs=prompt_logprobs)
         beams = [(seq, row) for seq, row in beams if seq.status is SequenceStatus.RUNNING]
         if beams:
             width = max(seq.request.beam_search.num_candidates for seq, _ in beams)
@@ -399,12 +413,15 @@ class EngineCore:
         beams: list[tuple[Sequence, int]] = []
         forks: list[tuple[Sequence, int]] = []
         filled: list[Sequence] = []
+        extra_logits: list[int] = []
+        prompt_logprobs: _PromptLogprobs | None = None
         step_id = self._step_id
         previous_step = step_id - 1
         prompt_computed = 0
         i = 0
         for seq, num_new in zip(sched.seqs, sched.num_new_tokens):
             start = seq.num_computed_tokens
+            base = len(token_ids)
             rows.append(rows_of[seq.uid])
             starts.append(start)
             known = seq.token_ids
@@ -424,6 +441,16 @@ class EngineCore:
                 token_ids.append(0)
             if start < seq.num_prompt_tokens:
                 prompt_computed += min(end, seq.num_prompt_tokens) - start
+                request = seq.request
+                first = max(start, request.prompt_logprobs_done)
+                upto = min(end, seq.num_prompt_tokens - 1)
+                if upto > first:  # positions whose next prompt token's logprob is owed
+                    if prompt_logprobs is None:
+                        prompt_logprobs = _PromptLogprobs()
+                    extra_logits.extend(range(base + first - start, base + upto - start))
+                    prompt_logprobs.targets += seq.prompt_token_ids[first + 1 : upto + 1]
+                    prompt_logprobs.segments.append((request, upto - first))
+                    request.prompt_logprobs_done = upto
             # Known, computed tokens reach a block's end: one block per decode at most, a
             # chunk may fill several.
             if num_new > 1 or (end if end < num_known else num_known) % block_size == 0:
@@ -449,8 +476,33 @@ class EngineCore:
         counters.prompt_tokens_computed += prompt_computed
         plan = StepPlan(rows=rows, starts=starts, query_lens=sched.num_new_tokens, token_ids=token_ids,
                         pending_at=pending_at, pending_from=pending_from, logits_of=logits_of,
-                        changed_rows=self.block_manager.take_changed_rows(), owners=sched.seqs)
-        return plan, samplers, sampler_rows, beams, forks, filled
+                        changed_rows=self.block_manager.take_changed_rows(), owners=sched.seqs,
+                        extra_logits=extra_logits)
+        return plan, samplers, sampler_rows, beams, forks, filled, prompt_logprobs
+
+    def _queue_prompt_logprobs(self, logits: torch.Tensor, wanted: _PromptLogprobs) -> None:
+        """The positions' logprobs of their next prompt tokens and the top alternatives, on
+        the device, their copy to the host queued (read when the step is collected)."""
+        top = max(request.params.prompt_logprobs for request, _ in wanted.segments)
+        targets = to_device(wanted.targets, torch.int64, logits.device)
+        wanted.copy = HostCopy(list(logprob_tensors(logits, targets, top)))
+
+    def _report_prompt_logprobs(self, wanted: _PromptLogprobs) -> None:
+        """Per position: (token id, logprob, rank) of the top `prompt_logprobs` tokens and the
+        prompt's own next token (as vLLM's: it is always among them)."""
+        chosen, top_values, top_ids, ranks = wanted.copy.lists()
+        row = 0
+        for request, count in wanted.segments:
+            if request.request_id in self.requests and request.error is None:
+                k = request.params.prompt_logprobs
+                entries = []
+                for j in range(row, row + count):
+                    entry = [(token, value, rank + 1) for rank, (token, value) in enumerate(zip(top_ids[j][:k], top_values[j][:k]))]
+                    if wanted.targets[j] not in top_ids[j][:k]:
+                        entry.append((wanted.targets[j], chosen[j], ranks[j]))
+                    entries.append(entry)
+                self._out.prompt_logprobs.append((request.request_id, entries))
+            row += count
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: when the prompt's last chunk is launched, the other n - 1
@@ -480,7 +532,7 @@ class EngineCore:
             # are reused at once).
             self.runner.synchronize()
             wanted = {seq_index: row for row, seq_index in enumerate(plan.logits_of)}
-            rows: dict[int, torch.Tensor] = {}  # logits row -> its logits
+            rows: dict[int, torch.Tensor] = {}  # logits row -> its logits (extra rows after the sequences')
             failed: list[tuple[CoreRequest, Exception]] = []
             for indices in groups.values():
                 try:
@@ -488,13 +540,17 @@ class EngineCore:
                 except Exception as own:
                     failed.append((sched.seqs[indices[0]].request, own))
                     continue
-                rows.update(zip([wanted[i] for i in indices if i in wanted], block))
+                own = [wanted[i] for i in indices if i in wanted]
+                rows.update(zip(own, block))
+                extra = [len(plan.logits_of) + k for k in plan.extra_rows_of(indices)]
+                rows.update(zip(extra, block[len(own):]))
             if len(failed) == len(groups):
                 raise
             for request, own in failed:
                 self._fail_request(request, f"its forward pass failed: {own!r}", own)
             # Rows of failed requests stay as zeros: nobody samples from them.
-            logits = torch.zeros((len(plan.logits_of), self.vocab_size), dtype=torch.float32, device=self.device)
+            logits = torch.zeros((len(plan.logits_of) + len(plan.extra_logits), self.vocab_size), dtype=torch.float32,
+                                 device=self.device)
             for row, values in rows.items():
                 logits[row] = values
             return logits
@@ -587,6 +643,8 @@ class EngineCore:
                 self._finish(seq, "stop", None)
                 touched[request.request_id] = request
         self.counters.generation_tokens += len(token_ids) - reported + generated
+        if launched.prompt_logprobs is not None:
+            self._report_prompt_logprobs(launched.prompt_logprobs)
         if launched.beams:
             values, ids = launched.beam_top.lists()
             for seq, top_values, top_ids in zip(launched.beams, values, ids):

@@ -78,6 +78,9 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     # For rows whose request asked for logprobs: (row, the token's logprob, top entries as
     # (token id, logprob, rank), the sampled token among them).
     logprobs: list[tuple[int, float, list[tuple[int, float, int]]]] = msgspec.field(default_factory=list)
+    # (request id, per prompt position of this step in order: (token id, logprob, rank) of
+    # the top prompt_logprobs tokens and the prompt's next token), for requests that asked.
+    prompt_logprobs: list[tuple[int, list[list[tuple[int, float, int]]]]] = msgspec.field(default_factory=list)
     # (request id, sequence index, finish_reason "stop" or "length", stop_reason)
     finished: list[tuple[int, int, str, int | None]] = msgspec.field(default_factory=list)
     # Sequences of requests added with stream=False that ended (or failed), with every

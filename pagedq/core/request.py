@@ -40,7 +40,7 @@ class CoreRequest:
         "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
         "num_cached_tokens", "beam_search", "branched", "error", "first_scheduled_time",
         "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "stream", "first_token_time",
-        "bad_words_token_ids", "grammar",
+        "bad_words_token_ids", "grammar", "prompt_logprobs_done",
     )
 
     def __init__(
@@ -77,6 +77,9 @@ class CoreRequest:
         self.stream = stream
         self.first_token_time: float | None = None
         self.bad_words_token_ids = bad_words_token_ids or []
+        # Prompt positions whose next prompt token's logprob has been computed (reported
+        # once, even when a preempted prefill runs again); all of them unless asked for.
+        self.prompt_logprobs_done = 0 if params.prompt_logprobs is not None else len(prompt_token_ids) - 1
         # The compiled grammar of a structured output (pagedq.core.structured_outputs), once ready.
         self.grammar: Any = None
         penalties = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -96,6 +99,11 @@ class CoreRequest:
         if not params.ignore_eos:
             reasons.update((t, None) for t in eos_token_ids)
         self.stop_reasons = reasons
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A prompt whose logprobs are still owed is computed in full: cached positions would have no logits."""
+        return self.prompt_logprobs_done >= len(self.prompt_token_ids) - 1
 
     @property
     def width(self) -> int:

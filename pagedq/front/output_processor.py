@@ -84,7 +84,7 @@ class SequenceState:
 class RequestState:
     __slots__ = (
         "request_id", "core_id", "prompt", "prompt_token_ids", "output_kind", "metrics",
-        "num_cached_tokens", "seqs", "error", "final_outputs", "finished", "num_ended",
+        "num_cached_tokens", "seqs", "error", "final_outputs", "finished", "num_ended", "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, core_id: int, prompt: str | None, prompt_token_ids: list[int],
@@ -102,6 +102,9 @@ class RequestState:
         self.final_outputs: list[CompletionOutput] | None = None
         self.finished = False
         self.num_ended = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None and beam is None else None
+        )
         wants_logprobs = params.logprobs is not None
         # Beams are decoded once, when the search picks its best.
         detokenize = tokenizer is not None and beam is None
@@ -137,6 +140,7 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
             finished=self.finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens, error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
     def final_output(self) -> RequestOutput:
@@ -199,6 +203,14 @@ class OutputProcessor:
             except Exception as exc:
                 self._token_fault(state, exc)
             touched[core_id] = state
+        for core_id, entries in out.prompt_logprobs:
+            state = states.get(core_id)
+            if state is not None and not state.finished and state.prompt_logprobs is not None:
+                state.prompt_logprobs += [
+                    {token: Logprob(logprob=logprob, rank=rank, decoded_token=self._token_text(token))
+                     for token, logprob, rank in entry}
+                    for entry in entries
+                ]
         for core_id, index, tokens, first_token_time in out.completed:
             state = states.get(core_id)
             if state is None or state.finished:
@@ -273,6 +285,9 @@ class OutputProcessor:
             for token, logprob, rank in top
         })
         seq.cumulative_logprob += sampled
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def _beam_outputs(self, hypotheses) -> list[CompletionOutput]:
         tokenizer = self.tokenizer
