@@ -95,16 +95,20 @@ class TokenBitmask:
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.device = device
-        self._host = xgr.allocate_token_bitmask(8, vocab_size)
+        self._host = self._allocate(8)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        # Pinned on CUDA, so the copy is asynchronous. Refilling it is safe: the next fill
+        # comes after the step that read it has been collected (EngineCore._grammar_masks).
+        host = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def fill(self, matchers: list) -> torch.Tensor:
         """[len(matchers), words] on the device: each row what its matcher allows next; None
         (no grammar, or a sequence that already ended) allows every token."""
         rows = len(matchers)
         if self._host.shape[0] < rows:
-            self._host = self._xgr.allocate_token_bitmask(max(rows, 2 * self._host.shape[0]), self.vocab_size)
-            if self.device.type == "cuda":
-                self._host = self._host.pin_memory()
+            self._host = self._allocate(max(rows, 2 * self._host.shape[0]))
         host = self._host[:rows]
         self._xgr.reset_token_bitmask(host)
         for row, matcher in enumerate(matchers):
