@@ -34,7 +34,8 @@ _STARTUP_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core's process is gone; its requests are lost to this front."""
+    """The engine core's process is gone, or one of its tensor-parallel ranks; its requests
+    are lost to this front."""
 
 
 class CoreClient(Protocol):
@@ -77,15 +78,20 @@ class InprocCoreClient:
         self.core.set_eos_token_ids(token_ids)
 
     def get_outputs(self, wait: bool) -> list[CoreOutputs]:
+        from worker.tp.leader import TensorParallelError
+
         if not self.core.has_work():
             return []
-        return [self.core.step()]
+        try:
+            return [self.core.step()]
+        except TensorParallelError as exc:
+            raise EngineDeadError(str(exc)) from exc
 
     def stats(self) -> dict:
         return self.core.stats()
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
 
 class ProcessCoreClient:
