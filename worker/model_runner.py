@@ -18,7 +18,7 @@ from worker.cuda_graphs import DecodeGraphs
 from worker.host_threads import limit_host_threads_for_gpu
 from worker.input_batch import InputBatch, StepInputs, StepPlan
 from worker.kv_cache import KVCache, kv_cache_dtype
-from worker.models import load_model
+from worker.models import check_tensor_parallel, load_model
 from worker.models.stub import StubForward
 from worker.sampler import DeviceSample, Sampler, SamplingRow
 from worker.tp.group import SINGLE, TensorParallel
@@ -107,6 +107,7 @@ class ModelRunner:
         ranks, the others started here."""
         if args.tensor_parallel_size == 1:
             return cls(args, hf_config, max_model_len, eos_token_ids)
+        check_tensor_parallel(hf_config, args.tensor_parallel_size)
         ranks = Ranks(args, max_model_len, resolve_device(args.device).type)
         try:
             return cls(args, hf_config, max_model_len, eos_token_ids, ranks.tp, ranks)

@@ -114,6 +114,8 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--preemption-mode", help="when the KV cache is full: recompute or swap (to CPU memory) "
                         "(PAGEDQ_PREEMPTION_MODE)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (PAGEDQ_ENFORCE_EAGER)")
+    parser.add_argument("--tensor-parallel-size", type=int, help="devices each worker splits the model across "
+                        "(PAGEDQ_TENSOR_PARALLEL_SIZE, default 1)")
 
 
 def sampling_flags(parser: argparse.ArgumentParser) -> None:

@@ -75,10 +75,10 @@ def run_core_process(settings: dict) -> None:
             if core.has_work() or changed:
                 try:
                     out = core.step()
-                except TensorParallelError:
+                except TensorParallelError as exc:
                     # A rank is gone: this process ends, and the front sees the engine die.
-                    logger.exception("the engine's tensor-parallel ranks failed")
-                    raise
+                    logger.error("the engine's tensor-parallel ranks failed: %s", exc)
+                    raise SystemExit(1) from exc
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))

@@ -36,6 +36,14 @@ def _build(architecture: str, hf_config, attention: AttentionBackend, tie_word_e
     return DecoderLM(hf_config, DECODER_FLAGS[architecture](hf_config), attention, tie_word_embeddings, tp)
 
 
+def check_tensor_parallel(hf_config, size: int) -> None:
+    """Refuses, with a ValueError naming tensor_parallel_size, a model whose heads, KV heads
+    or MLP do not split across `size` ranks, before any rank starts: rank 0's shard is
+    built on the meta device (which costs nothing), as every rank will build its own."""
+    with torch.device("meta"):
+        _build(architecture_of(hf_config), hf_config, None, True, TensorParallel(0, size))
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
     tp: TensorParallel = SINGLE,
