@@ -178,11 +178,14 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import redis
 
+    from pagedq.front.core_client import EngineDeadError
     from worker.rq.batch_worker import run_worker
 
     settings = _settings(args)
     try:
         run_worker(settings)
+    except EngineDeadError as exc:
+        raise CommandError(f"the engine died ({exc}); its jobs went back to the queue") from None
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:

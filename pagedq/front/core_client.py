@@ -146,7 +146,20 @@ class ProcessCoreClient:
         return msgspec.convert(ready["info"], CoreInfo), ready["stats"]
 
     def _send(self, message) -> None:
-        self._inputs.send(self._encoder.encode(message), copy=False)
+        """Queued for the core. Once its process is gone the message is dropped: a PUSH
+        socket without its peer would block forever, and the core's requests died with
+        it (get_outputs raises EngineDeadError)."""
+        import zmq
+
+        frame = self._encoder.encode(message)
+        while True:
+            try:
+                self._inputs.send(frame, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if self._process.poll() is not None:
+                    return
+                self._inputs.poll(_POLL_MS, zmq.POLLOUT)
 
     def add_request(self, request: AddRequest) -> None:
         self._send(request)
