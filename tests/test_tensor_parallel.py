@@ -51,8 +51,13 @@ SHAPES = {
 PREEMPTION = {"qwen2": "swap"}
 
 
-def rank_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "worker.tp.follower" in " ".join(p.cmdline())]
+def rank_processes(parent: int | None = None) -> list[psutil.Process]:
+    """Tensor-parallel ranks 1..N-1 below this process (or below `parent`)."""
+    return [p for p in psutil.Process(parent).children(recursive=True) if "worker.tp.follower" in " ".join(p.cmdline())]
+
+
+def worker_ranks(worker: WorkerProcess) -> list[psutil.Process]:
+    return rank_processes(worker.process.pid)
 
 
 def run(model_dir, tensor_parallel_size: int, preemption_mode: str) -> tuple[list[list[int]], dict, int]:
@@ -141,8 +146,7 @@ def test_a_worker_whose_rank_dies_requeues_its_jobs_and_they_finish_elsewhere(ti
         with Client(api.url, timeout_s=60) as client:
             seq_ids = [client.submit(**body)["seq_id"] for body in requests]
             wait_until(lambda: all(len(client.result(s)["token_ids"]) > 0 for s in seq_ids), 60, "every job's tokens")
-            (rank,) = [p for p in psutil.Process(workers[0].process.pid).children(recursive=True)
-                       if "worker.tp.follower" in " ".join(p.cmdline())]
+            (rank,) = worker_ranks(workers[0])
             rank.kill()
             killed_at = time.monotonic()
             assert workers[0].process.wait(30) != 0
@@ -150,11 +154,17 @@ def test_a_worker_whose_rank_dies_requeues_its_jobs_and_they_finish_elsewhere(ti
             # Requeued by the worker itself on its way out (no other worker is alive to reap them).
             fetched = Job.fetch_many(seq_ids, connection=redis, serializer=JSONSerializer)
             assert [job.get_status() for job in fetched] == ["queued"] * len(seq_ids)
-            workers.append(WorkerProcess(settings, tmp_path / "worker.log"))
+            workers.append(WorkerProcess(settings.with_overrides(tensor_parallel_size=2), tmp_path / "worker.log"))
             wait_until(lambda: all(client.result(s)["status"] == "finished" for s in seq_ids), 90, "every job to finish")
             assert [client.result(s)["token_ids"] for s in seq_ids] == offline_greedy(model, requests)
             assert [len(job.results()) for job in Job.fetch_many(seq_ids, connection=redis,
                                                                  serializer=JSONSerializer)] == [1] * len(seq_ids)
+            # A rank that dies while its worker idles ends the worker too, rather than the next job's step.
+            (rank,) = worker_ranks(workers[1])
+            rank.kill()
+            killed_at = time.monotonic()
+            assert workers[1].process.wait(30) != 0
+            assert time.monotonic() - killed_at < 10
     finally:
         api.stop()
         for worker in workers:

@@ -120,6 +120,11 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.shutdown()
 
+    def check_alive(self) -> None:
+        """Raises TensorParallelError if one of the other ranks has died."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
     # --- KV cache sizing ----------------------------------------------------------------
 
     def _decide_num_blocks(self) -> int:

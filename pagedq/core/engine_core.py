@@ -225,6 +225,10 @@ class EngineCore:
         """Stops the model runner's other ranks, if any."""
         self.runner.shutdown()
 
+    def check_alive(self) -> None:
+        """Between steps: raises TensorParallelError if one of the other ranks has died."""
+        self.runner.check_alive()
+
     def has_work(self) -> bool:
         """Requests to run, or a step still in flight to collect."""
         return bool(self.requests) or bool(self._in_flight)

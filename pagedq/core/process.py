@@ -61,6 +61,7 @@ def run_core_process(settings: dict) -> None:
                 while not inputs.poll(1000):
                     if os.getppid() != parent_pid:
                         return
+                    core.check_alive()  # a rank that died while idle ends the process too
             changed = False
             while True:
                 try:
@@ -75,10 +76,8 @@ def run_core_process(settings: dict) -> None:
             if core.has_work() or changed:
                 try:
                     out = core.step()
-                except TensorParallelError as exc:
-                    # A rank is gone: this process ends, and the front sees the engine die.
-                    logger.error("the engine's tensor-parallel ranks failed: %s", exc)
-                    raise SystemExit(1) from exc
+                except TensorParallelError:
+                    raise
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))
@@ -87,6 +86,10 @@ def run_core_process(settings: dict) -> None:
                 out = out or messages.CoreOutputs()
                 out.stats = core.stats()
                 outputs.send(encoder.encode(out), copy=False)
+    except TensorParallelError as exc:
+        # A rank is gone: this process ends, and the front sees the engine die.
+        logger.error("the engine's tensor-parallel ranks failed: %s", exc)
+        raise SystemExit(1) from exc
     finally:
         core.shutdown()
         context.destroy(linger=0)

@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 from pagedq.config import EngineArgs
 from pagedq.core.messages import Abort, AddRequest, CoreInfo, CoreOutputs, SetEosTokenIds, Shutdown, StopSequences
@@ -55,6 +56,9 @@ class CoreClient(Protocol):
 
     def stats(self) -> dict: ...
 
+    def check_alive(self) -> None:
+        """Raises EngineDeadError if the engine is gone (its process, or one of its ranks)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -78,14 +82,14 @@ class InprocCoreClient:
         self.core.set_eos_token_ids(token_ids)
 
     def get_outputs(self, wait: bool) -> list[CoreOutputs]:
-        from worker.tp.leader import TensorParallelError
-
         if not self.core.has_work():
             return []
-        try:
+        with _ranks_lost_is_death():
             return [self.core.step()]
-        except TensorParallelError as exc:
-            raise EngineDeadError(str(exc)) from exc
+
+    def check_alive(self) -> None:
+        with _ranks_lost_is_death():
+            self.core.check_alive()
 
     def stats(self) -> dict:
         return self.core.stats()
@@ -201,6 +205,10 @@ class ProcessCoreClient:
                 self._stats = outputs.stats
             self._received.append(outputs)
 
+    def check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise EngineDeadError(f"the engine core process died (exit code {self._process.returncode})")
+
     def stats(self) -> dict:
         # The core reports its stats with each message, also after an abort when no step
         # follows (the blocks it freed): read what it sent, or a caller that stops stepping
@@ -210,6 +218,18 @@ class ProcessCoreClient:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+@contextmanager
+def _ranks_lost_is_death() -> Iterator[None]:
+    """A tensor-parallel rank lost is the in-process engine's death (in a core process of
+    its own, the process ends on it)."""
+    from worker.tp.leader import TensorParallelError
+
+    try:
+        yield
+    except TensorParallelError as exc:
+        raise EngineDeadError(str(exc)) from exc
 
 
 def _stop(process: subprocess.Popen, inputs, outputs, context, socket_dir: str, shutdown_message: bytes) -> None:

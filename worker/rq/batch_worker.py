@@ -465,7 +465,13 @@ class BatchWorker(BaseWorker):
             lost[running[position - 1].request_id] = running[position - 1]
 
     def _wait_for_work(self) -> None:
-        """Idle: block on the queue for a while (or just wait, when not admitting)."""
+        """Idle: block on the queue for a while (or just wait, when not admitting); an
+        engine that died meanwhile ends the loop first."""
+        try:
+            self.engine.check_alive()
+        except EngineDeadError as exc:
+            self._engine_died(exc)
+            return
         if self._draining or self._suspended or len(self.inflight) >= self.capacity:
             time.sleep(_IDLE_WAIT_S)
             return
@@ -561,13 +567,7 @@ class BatchWorker(BaseWorker):
             with self._step_heartbeats.step():
                 outputs = self.engine.step()
         except EngineDeadError as exc:
-            # The engine is gone (its core process, or a tensor-parallel rank): no job was
-            # at fault, so the loop ends as a drain's does, at once, requeueing each job
-            # whole at the queue's front for another worker; then this worker leaves (its
-            # exit status says why) rather than take jobs it cannot run.
-            self.log.error("Worker %s: the engine died (%s); requeueing its jobs and stopping", self.name, exc)
-            self._engine_dead = exc
-            self._draining, self._drain_deadline = True, 0.0
+            self._engine_died(exc)
             return
         except Exception:
             self._fail_inflight(sys.exc_info())
@@ -585,6 +585,15 @@ class BatchWorker(BaseWorker):
                 entry.num_tokens, entry.last_token_at = num_tokens, now
             if output.finished:
                 entry.final = output
+
+    def _engine_died(self, exc: EngineDeadError) -> None:
+        """The engine is gone (its core process, or a tensor-parallel rank): no job was at
+        fault, so the loop ends as a drain's does, at once, requeueing each job whole at
+        the queue's front for another worker; then this worker leaves (its exit status
+        says why) rather than take jobs it cannot run."""
+        self.log.error("Worker %s: the engine died (%s); requeueing its jobs and stopping", self.name, exc)
+        self._engine_dead = exc
+        self._draining, self._drain_deadline = True, 0.0
 
     def _queue_successes(self, pipeline, entries: list[InFlight]) -> None:
         """Queue, as one fenced script call, what RQ's success path writes for each

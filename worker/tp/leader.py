@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import weakref
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 import msgspec
 import torch
@@ -88,18 +88,29 @@ class Ranks:
 
     def run(self, command: Command, step: Callable[[], T]) -> T:
         """Send `command` to ranks 1..N-1, then run `step` (the same command) here."""
-        if self._broken is not None:
-            raise TensorParallelError(self._broken)
+        self.check_alive()
         try:
             payload = self._encoder.encode(command)
             for process in self._processes:
                 write_frame(process.stdin, payload)
             return step()
         except Exception as exc:
-            self._broken = self._why(exc)
-            logger.error("the engine's tensor-parallel group is broken: %s", self._broken)
-            self.shutdown()
-            raise TensorParallelError(self._broken) from exc
+            self._break(self._why(exc), exc)
+
+    def check_alive(self) -> None:
+        """Raises TensorParallelError once any rank has died, also between steps (an idle
+        engine's caller asks, so a dead rank is not found only by the next request)."""
+        if self._broken is not None:
+            raise TensorParallelError(self._broken)
+        dead = self._dead()
+        if dead:
+            self._break(f"tensor-parallel {dead}", None)
+
+    def _break(self, why: str, cause: Exception | None) -> NoReturn:
+        self._broken = why
+        logger.error("the engine's tensor-parallel group is broken: %s", why)
+        self.shutdown()
+        raise TensorParallelError(why) from cause
 
     def _why(self, exc: Exception) -> str:
         deadline = time.monotonic() + _EXIT_GRACE_S
