@@ -90,6 +90,8 @@ def open_store(size: int, port: int = 0, is_leader: bool = False) -> dist.TCPSto
 
 def join_group(store: dist.TCPStore, rank: int, size: int, device_type: str) -> TensorParallel:
     """Join the process's default group (so one tensor-parallel engine per process)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)  # NCCL's communicator binds to the current device
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, size)
