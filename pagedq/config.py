@@ -46,6 +46,9 @@ class EngineArgs:
     # Benchmarks only (`pagedq bench host`): the forward returns fixed logits and costs
     # nothing, so a run measures the host's own cost per step (worker.models.stub).
     stub_forward: bool = False
+    # Ranks the model is split across (worker.tp): attention and KV heads, MLP columns and
+    # the vocabulary; rank 0 runs in the engine core, the others in processes of their own.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         checks = {
@@ -59,10 +62,15 @@ class EngineArgs:
             "preemption_mode": self.preemption_mode in PREEMPTION_MODES,
             "swap_space": self.swap_space >= 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
+            "tensor_parallel_size": self.tensor_parallel_size >= 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            # An overlapped step reads the tokens the step before sampled from rank 0's
+            # device; the other ranks never see them (sampling runs on rank 0 alone).
+            raise ValueError("async_scheduling: overlapped steps need tensor_parallel_size 1")
 
     @property
     def swap_space_bytes(self) -> int:

@@ -56,6 +56,10 @@ class Settings(BaseSettings):
         None, description="Overlapped engine steps (the next step launched before the last one's tokens are read); "
         "default on for CUDA, off for CPU.",
     )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Devices one worker's engine splits the model across (tensor parallelism: one "
+        "process per rank, rank r on GPU r; gloo on CPU).",
+    )
     core_process: bool | None = Field(
         None, description="Run the engine core in a process of its own (the worker's default; LLM's is in-process).",
     )

@@ -18,9 +18,12 @@ from worker.cuda_graphs import DecodeGraphs
 from worker.host_threads import limit_host_threads_for_gpu
 from worker.input_batch import InputBatch, StepInputs, StepPlan
 from worker.kv_cache import KVCache, kv_cache_dtype
-from worker.models import load_model
+from worker.models import check_tensor_parallel, load_model
 from worker.models.stub import StubForward
 from worker.sampler import DeviceSample, Sampler, SamplingRow
+from worker.tp.group import SINGLE, TensorParallel
+from worker.tp.leader import Ranks
+from worker.tp.messages import MoveBlocks, RunForward
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +54,23 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, hf_config, max_model_len: int, eos_token_ids: set[int]):
+    """Under tensor parallelism (`tp`), this rank's shard of the model and of the KV cache.
+    Rank 0's runner (the engine core's) leads: `ranks` sends each block move and forward
+    to the other ranks before running it here (worker.tp.leader); theirs have no `ranks`."""
+
+    def __init__(self, args: EngineArgs, hf_config, max_model_len: int, eos_token_ids: set[int],
+                 tp: TensorParallel = SINGLE, ranks: Ranks | None = None):
         self.args = args
-        self.device = resolve_device(args.device)
+        self.tp = tp
+        self.ranks = ranks
+        self.device = tp.device(resolve_device(args.device))
         if self.device.type == "cuda":
             limit_host_threads_for_gpu()
         self.dtype = resolve_dtype(args.dtype, hf_config, self.device)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.attention = get_attention_backend(args.attention_backend, self.device.type)
-        self.model = load_model(args.model, self.dtype, self.device, self.attention)
+        self.model = load_model(args.model, self.dtype, self.device, self.attention, tp)
         if args.stub_forward:
             self.model = StubForward(self.model)
         self.vocab_size = self.model.vocab_size
@@ -91,6 +101,30 @@ class ModelRunner:
             self.num_cpu_blocks, self.graphs.sizes if self.graphs else "off",
         )
 
+    @classmethod
+    def create(cls, args: EngineArgs, hf_config, max_model_len: int, eos_token_ids: set[int]) -> ModelRunner:
+        """The engine core's runner: on one device, or rank 0 of `tensor_parallel_size`
+        ranks, the others started here."""
+        if args.tensor_parallel_size == 1:
+            return cls(args, hf_config, max_model_len, eos_token_ids)
+        check_tensor_parallel(hf_config, args.tensor_parallel_size)
+        ranks = Ranks(args, max_model_len, resolve_device(args.device).type)
+        try:
+            return cls(args, hf_config, max_model_len, eos_token_ids, ranks.tp, ranks)
+        except BaseException:
+            ranks.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stops the other ranks, if any (also done when the runner is collected)."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
+
+    def check_alive(self) -> None:
+        """Raises TensorParallelError if one of the other ranks has died."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
     # --- KV cache sizing ----------------------------------------------------------------
 
     def _decide_num_blocks(self) -> int:
@@ -103,10 +137,11 @@ class ModelRunner:
             budget = self.args.cpu_kv_cache_bytes
         # More blocks than every admitted sequence at full length could use is wasted memory.
         useful = self.args.max_num_seqs * -(-self.max_model_len // self.block_size)
-        num_blocks = min(budget // bytes_per_block, useful)
+        # Every rank holds the same blocks (of its own heads): as many as the fullest device allows.
+        num_blocks = self.tp.agree_min(int(min(budget // bytes_per_block, useful)), self.device)
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
-        return int(num_blocks)
+        return num_blocks
 
     def _free_cuda_bytes_for_cache(self) -> int:
         """Device memory left for the cache after the weights, the activations of the
@@ -143,9 +178,15 @@ class ModelRunner:
 
     # --- a step (called inside the engine core's inference mode: one per step, not one per call) ---
 
-    def move_blocks(self, out: SchedulerOutput) -> None:
+    def move_blocks(self, out: SchedulerOutput | MoveBlocks) -> None:
         """The step's KV block moves, queued before its forward. Order matters (see
         SchedulerOutput): a block freed by one move may be the destination of a later one."""
+        if self.ranks is not None:
+            moves = MoveBlocks(out.swap_out, out.block_copies, out.swap_in)
+            return self.ranks.run(moves, lambda: self._move_blocks(moves))
+        self._move_blocks(out)
+
+    def _move_blocks(self, out: SchedulerOutput | MoveBlocks) -> None:
         self.kv_cache.swap_out(out.swap_out)
         self.kv_cache.copy_blocks(out.block_copies)
         self.kv_cache.swap_in(out.swap_in)
@@ -153,6 +194,11 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """One forward over the plan's sequences: float32 logits [len(plan.logits_of) +
         len(plan.extra_logits), vocab] on the device (queued, not waited for)."""
+        if self.ranks is not None:
+            return self.ranks.run(RunForward.of(plan), lambda: self._forward(plan))
+        return self._forward(plan)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
         inputs = self.input_batch.prepare(plan, self.last_sampled)
         if self.step_timings is not None:
             self.step_timings.phase("prepare")

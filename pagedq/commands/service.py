@@ -114,6 +114,8 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--preemption-mode", help="when the KV cache is full: recompute or swap (to CPU memory) "
                         "(PAGEDQ_PREEMPTION_MODE)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (PAGEDQ_ENFORCE_EAGER)")
+    parser.add_argument("--tensor-parallel-size", type=int, help="devices each worker splits the model across "
+                        "(PAGEDQ_TENSOR_PARALLEL_SIZE, default 1)")
 
 
 def sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -176,11 +178,14 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import redis
 
+    from pagedq.front.core_client import EngineDeadError
     from worker.rq.batch_worker import run_worker
 
     settings = _settings(args)
     try:
         run_worker(settings)
+    except EngineDeadError as exc:
+        raise CommandError(f"the engine died ({exc}); its jobs went back to the queue") from None
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:

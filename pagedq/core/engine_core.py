@@ -28,7 +28,10 @@ nothing runs beside it) each step is collected as soon as it is launched.
 Isolation: whatever one request causes to throw (its forward, its sampling, its beams, a
 token outside the vocabulary) fails that request alone; the step goes on for the others
 (`_forward`, `_sample`, `_fail_request`). A step that raises for every request raises;
-the core then drops every request, so the next caller finds it empty.
+the core then drops every request, so the next caller finds it empty. Under tensor
+parallelism (`EngineArgs.tensor_parallel_size`, worker.tp) a step that throws, or a rank
+that dies, raises `TensorParallelError` and the engine is dead: the other ranks were left
+inside that step's collectives, so no request can be retried alone.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from worker.host_copy import HostCopy, to_device
 from worker.input_batch import StepPlan
 from worker.model_runner import ModelRunner
 from worker.sampler import SamplerOutput, logprob_tensors
+from worker.tp.leader import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class EngineCore:
         self.args = args
         hf_config = load_hf_config(args.model)
         self.max_model_len = resolve_max_model_len(hf_config, args.max_model_len)
-        self.runner = ModelRunner(args, hf_config, self.max_model_len, set(eos_token_ids))
+        self.runner = ModelRunner.create(args, hf_config, self.max_model_len, set(eos_token_ids))
         self._fit_max_model_len_to_cache()
         self.block_manager = BlockManager(
             self.runner.num_blocks,
@@ -122,7 +126,9 @@ class EngineCore:
         self._eos_token_ids = set(eos_token_ids)
         self.requests: dict[int, CoreRequest] = {}
         self.counters = EngineCounters()
-        overlap = args.async_scheduling if args.async_scheduling is not None else self.device.type == "cuda"
+        overlap = args.async_scheduling if args.async_scheduling is not None else (
+            self.device.type == "cuda" and args.tensor_parallel_size == 1  # see EngineArgs.async_scheduling's check
+        )
         self.max_steps_in_flight = 2 if overlap else 1
         self._in_flight: deque[_LaunchedStep] = deque()
         self._step_id = 0
@@ -268,6 +274,14 @@ class EngineCore:
         ):
             del self.requests[request.request_id]
             self.counters.requests_finished += 1
+
+    def shutdown(self) -> None:
+        """Stops the model runner's other ranks, if any."""
+        self.runner.shutdown()
+
+    def check_alive(self) -> None:
+        """Between steps: raises TensorParallelError if one of the other ranks has died."""
+        self.runner.check_alive()
 
     def has_work(self) -> bool:
         """Requests to run, or a step still in flight to collect."""
@@ -521,6 +535,8 @@ class EngineCore:
         every request fails alone too, the fault is not any one request's: it is raised."""
         try:
             return self.runner.forward(plan)
+        except TensorParallelError:
+            raise  # the ranks are out of step: no request can run alone
         except Exception as exc:
             groups: dict[int, list[int]] = {}
             for i, seq in enumerate(plan.owners):

@@ -8,7 +8,8 @@ start.
 The loop: take every message waiting on the input socket (requests, aborts, stops); step
 whenever there is work, sending each step's outputs (with the core's stats) back; block
 on the input socket when idle. A step that raises drops every request and tells the
-front, which raises. The process leaves when told, or when its parent is gone; it
+front, which raises; a tensor-parallel rank that failed ends the process (the engine is
+dead), so the front raises EngineDeadError. The process leaves when told, or when its parent is gone; it
 ignores SIGINT and SIGTERM, which are its parent's to act on (a worker draining after
 SIGTERM still needs its engine).
 """
@@ -32,6 +33,7 @@ def run_core_process(settings: dict) -> None:
     from pagedq.config import EngineArgs
     from pagedq.core import messages
     from pagedq.core.engine_core import EngineCore
+    from worker.tp.leader import TensorParallelError
 
     torch.set_num_threads(settings["torch_threads"])
     parent_pid = settings["parent_pid"]
@@ -59,6 +61,7 @@ def run_core_process(settings: dict) -> None:
                 while not inputs.poll(1000):
                     if os.getppid() != parent_pid:
                         return
+                    core.check_alive()  # a rank that died while idle ends the process too
             changed = False
             while True:
                 try:
@@ -73,6 +76,8 @@ def run_core_process(settings: dict) -> None:
             if core.has_work() or changed:
                 try:
                     out = core.step()
+                except TensorParallelError:
+                    raise
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))
@@ -81,7 +86,12 @@ def run_core_process(settings: dict) -> None:
                 out = out or messages.CoreOutputs()
                 out.stats = core.stats()
                 outputs.send(encoder.encode(out), copy=False)
+    except TensorParallelError as exc:
+        # A rank is gone: this process ends, and the front sees the engine die.
+        logger.error("the engine's tensor-parallel ranks failed: %s", exc)
+        raise SystemExit(1) from exc
     finally:
+        core.shutdown()
         context.destroy(linger=0)
 
 

@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 from pagedq.config import EngineArgs
 from pagedq.core.messages import Abort, AddRequest, CoreInfo, CoreOutputs, SetEosTokenIds, Shutdown, StopSequences
@@ -34,7 +35,8 @@ _STARTUP_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core's process is gone; its requests are lost to this front."""
+    """The engine core's process is gone, or one of its tensor-parallel ranks; its requests
+    are lost to this front."""
 
 
 class CoreClient(Protocol):
@@ -53,6 +55,9 @@ class CoreClient(Protocol):
         (the core has work whenever the front has unfinished requests)."""
 
     def stats(self) -> dict: ...
+
+    def check_alive(self) -> None:
+        """Raises EngineDeadError if the engine is gone (its process, or one of its ranks)."""
 
     def shutdown(self) -> None: ...
 
@@ -79,13 +84,18 @@ class InprocCoreClient:
     def get_outputs(self, wait: bool) -> list[CoreOutputs]:
         if not self.core.has_work():
             return []
-        return [self.core.step()]
+        with _ranks_lost_is_death():
+            return [self.core.step()]
+
+    def check_alive(self) -> None:
+        with _ranks_lost_is_death():
+            self.core.check_alive()
 
     def stats(self) -> dict:
         return self.core.stats()
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
 
 class ProcessCoreClient:
@@ -140,7 +150,20 @@ class ProcessCoreClient:
         return msgspec.convert(ready["info"], CoreInfo), ready["stats"]
 
     def _send(self, message) -> None:
-        self._inputs.send(self._encoder.encode(message), copy=False)
+        """Queued for the core. Once its process is gone the message is dropped: a PUSH
+        socket without its peer would block forever, and the core's requests died with
+        it (get_outputs raises EngineDeadError)."""
+        import zmq
+
+        frame = self._encoder.encode(message)
+        while True:
+            try:
+                self._inputs.send(frame, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if self._process.poll() is not None:
+                    return
+                self._inputs.poll(_POLL_MS, zmq.POLLOUT)
 
     def add_request(self, request: AddRequest) -> None:
         self._send(request)
@@ -182,6 +205,10 @@ class ProcessCoreClient:
                 self._stats = outputs.stats
             self._received.append(outputs)
 
+    def check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise EngineDeadError(f"the engine core process died (exit code {self._process.returncode})")
+
     def stats(self) -> dict:
         # The core reports its stats with each message, also after an abort when no step
         # follows (the blocks it freed): read what it sent, or a caller that stops stepping
@@ -191,6 +218,18 @@ class ProcessCoreClient:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+@contextmanager
+def _ranks_lost_is_death() -> Iterator[None]:
+    """A tensor-parallel rank lost is the in-process engine's death (in a core process of
+    its own, the process ends on it)."""
+    from worker.tp.leader import TensorParallelError
+
+    try:
+        yield
+    except TensorParallelError as exc:
+        raise EngineDeadError(str(exc)) from exc
 
 
 def _stop(process: subprocess.Popen, inputs, outputs, context, socket_dir: str, shutdown_message: bytes) -> None:

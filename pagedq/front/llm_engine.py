@@ -151,6 +151,11 @@ class LLMEngine:
             self._finals.append(self.output_processor.abort(state))
         self.core.abort_requests(core_ids)
 
+    def check_alive(self) -> None:
+        """Raises EngineDeadError if the engine is gone (its core process, or one of its
+        tensor-parallel ranks), for a caller with nothing to step (an idle worker)."""
+        self.core.check_alive()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 

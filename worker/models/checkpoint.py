@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-import torch
 from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
@@ -31,9 +30,11 @@ class SafetensorsCheckpoint:
         if missing:
             raise ValueError(f"model: checkpoint shards listed in {INDEX_FILE} are missing: {missing}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every (name, tensor), one at a time, so at most one tensor is staged in host memory."""
+    def tensors(self) -> Iterator[tuple[str, object]]:
+        """Every (name, lazy slice): indexing a slice reads just those elements from the
+        file, so at most one tensor (under tensor parallelism, one rank's part of it) is
+        staged in host memory."""
         for path in self.files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)

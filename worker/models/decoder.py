@@ -17,8 +17,10 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata, cpu_elementwise
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
-from worker.models.layers import Linear, MergedLinear, RMSNorm, activation
+from worker.models.layers import MergedLinear, RMSNorm, activation
+from worker.models.parallel_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from worker.models.rotary import PositionedRotary, RotaryEmbedding, rope_parameters
+from worker.tp.group import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,20 @@ def layer_sliding_windows(cfg) -> list[int | None]:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None):
+    """This rank's query heads and the KV heads they read: q/k/v column-parallel, o_proj
+    row-parallel (the block's one all-reduce)."""
+
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None,
+                 tp: TensorParallel):
         super().__init__()
-        num_heads, num_kv_heads, head_dim = cfg.num_attention_heads, _num_kv_heads(cfg), _head_dim(cfg)
+        head_dim = _head_dim(cfg)
+        num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        num_kv_heads, first_kv_head = tp.kv_heads(_num_kv_heads(cfg), cfg.num_attention_heads)
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=flags.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=flags.o_bias)
+        first_q, first_kv = tp.rank * self.q_size, first_kv_head * head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=flags.qkv_bias,
+                                     source_starts=[first_q, first_kv, first_kv])
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, flags.o_bias, tp, first_column=first_q)
         if flags.qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
@@ -106,11 +116,14 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags):
+    """This rank's intermediate columns: gate/up column-parallel, down_proj row-parallel."""
+
+    def __init__(self, cfg, flags: DecoderFlags, tp: TensorParallel):
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=flags.mlp_bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=flags.mlp_bias)
+        size = tp.split(cfg.intermediate_size, "intermediate_size")
+        first = tp.rank * size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=flags.mlp_bias, source_starts=[first, first])
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, flags.mlp_bias, tp, first_column=first)
         self.act = activation(cfg.hidden_act)
         self.silu = cfg.hidden_act in ("silu", "swish")
 
@@ -123,12 +136,13 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, sliding_window: int | None,
+                 tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DecoderAttention(cfg, flags, backend, sliding_window)
+        self.self_attn = DecoderAttention(cfg, flags, backend, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, flags)
+        self.mlp = GatedMLP(cfg, flags, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: PositionedRotary,
                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,10 +158,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend):
+    def __init__(self, cfg, flags: DecoderFlags, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, backend, window) for window in layer_sliding_windows(cfg))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, flags, backend, window, tp) for window in layer_sliding_windows(cfg)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(_head_dim(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
 
@@ -160,16 +176,18 @@ class DecoderStack(nn.Module):
 
 
 class DecoderLM(CausalLM):
-    def __init__(self, hf_config, flags: DecoderFlags, backend: AttentionBackend, tie_word_embeddings: bool):
+    def __init__(self, hf_config, flags: DecoderFlags, backend: AttentionBackend, tie_word_embeddings: bool,
+                 tp: TensorParallel):
         super().__init__(
             hf_config,
             num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=_num_kv_heads(hf_config),
+            num_kv_heads=tp.kv_heads(_num_kv_heads(hf_config), hf_config.num_attention_heads)[0],
             head_dim=_head_dim(hf_config),
             vocab_size=hf_config.vocab_size,
+            tp=tp,
         )
-        self.model = DecoderStack(hf_config, flags, backend)
-        self.lm_head = None if tie_word_embeddings else Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.model = DecoderStack(hf_config, flags, backend, tp)
+        self.lm_head = None if tie_word_embeddings else ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)

@@ -12,21 +12,29 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata
 from worker.models.attention import PagedAttention
 from worker.models.base import CausalLM, WeightTarget
-from worker.models.layers import Linear, activation
+from worker.models.layers import MergedLinear, activation
+from worker.models.parallel_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from worker.tp.group import TensorParallel
 
 _CONV1D = ("c_attn", "c_proj", "c_fc")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend):
+    """This rank's heads: c_attn (q, k and v stacked in one checkpoint tensor) column-parallel,
+    c_proj row-parallel."""
+
+    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
-        hidden, num_heads = cfg.n_embd, cfg.n_head
-        head_dim = hidden // num_heads
+        hidden = cfg.n_embd
+        head_dim = hidden // cfg.n_head
+        num_heads = tp.split(cfg.n_head, "n_head")
         scale = head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
-        self.c_attn = Linear(hidden, 3 * hidden)
-        self.c_proj = Linear(hidden, hidden)
+        size = num_heads * head_dim
+        first = tp.rank * size
+        self.c_attn = MergedLinear(hidden, [size] * 3, bias=True, source_starts=[first] * 3)
+        self.c_proj = RowParallelLinear(size, hidden, True, tp, first_column=first)
         self.attn = PagedAttention(num_heads, num_heads, head_dim, scale, backend)
 
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -36,11 +44,12 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
-        inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = Linear(cfg.n_embd, inner)
-        self.c_proj = Linear(inner, cfg.n_embd)
+        inner = tp.split(cfg.n_inner or 4 * cfg.n_embd, "n_inner")
+        first = tp.rank * inner
+        self.c_fc = MergedLinear(cfg.n_embd, [inner], bias=True, source_starts=[first])
+        self.c_proj = RowParallelLinear(inner, cfg.n_embd, True, tp, first_column=first)
         self.act = activation(cfg.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,12 +57,12 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = GPT2Attention(cfg, layer_idx, backend)
+        self.attn = GPT2Attention(cfg, layer_idx, backend, tp)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.mlp = GPT2MLP(cfg)
+        self.mlp = GPT2MLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         h = h + self.attn(self.ln_1(h), md)
@@ -61,11 +70,11 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Stack(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend):
+    def __init__(self, cfg, backend: AttentionBackend, tp: TensorParallel):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.h = nn.ModuleList(GPT2Block(cfg, i, backend) for i in range(cfg.n_layer))
+        self.h = nn.ModuleList(GPT2Block(cfg, i, backend, tp) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -76,16 +85,17 @@ class GPT2Stack(nn.Module):
 
 
 class GPT2LM(CausalLM):
-    def __init__(self, hf_config, backend: AttentionBackend, tie_word_embeddings: bool):
+    def __init__(self, hf_config, backend: AttentionBackend, tie_word_embeddings: bool, tp: TensorParallel):
         super().__init__(
             hf_config,
             num_layers=hf_config.n_layer,
-            num_kv_heads=hf_config.n_head,
+            num_kv_heads=tp.split(hf_config.n_head, "n_head"),
             head_dim=hf_config.n_embd // hf_config.n_head,
             vocab_size=hf_config.vocab_size,
+            tp=tp,
         )
-        self.transformer = GPT2Stack(hf_config, backend)
-        self.lm_head = None if tie_word_embeddings else Linear(hf_config.n_embd, hf_config.vocab_size, bias=False)
+        self.transformer = GPT2Stack(hf_config, backend, tp)
+        self.lm_head = None if tie_word_embeddings else ParallelLMHead(hf_config.vocab_size, hf_config.n_embd, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.transformer(input_ids, positions, attn_metadata)
@@ -102,4 +112,6 @@ class GPT2LM(CausalLM):
         if parts[-2] == "attn" and parts[-1] in ("bias", "masked_bias"):
             return None  # causal-mask buffers saved by older transformers releases
         transpose = parts[-1] == "weight" and parts[-2] in _CONV1D
-        return WeightTarget(name, transpose=transpose)
+        if parts[-2] == "c_attn":
+            return WeightTarget(name, transpose=transpose, stacked=True)
+        return WeightTarget(name, shard=0 if parts[-2] == "c_fc" else None, transpose=transpose)

@@ -95,17 +95,29 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
+# Which part of a checkpoint tensor a parameter holds: (dimension, first index, length),
+# in the parameter's own orientation ([out, in] for a linear's weight).
+Region = tuple[int, int, int]
+
+
 class MergedLinear(Linear):
-    """Several projections of the same input computed by one matmul (q/k/v, gate/up).
+    """Several projections of the same input computed by one matmul (q/k/v, gate/up), or
+    one; column-parallel under tensor parallelism.
 
     The checkpoint stores each projection separately; shard ``i`` loads into its own
-    range of output rows.
+    range of output rows. Under tensor parallelism each projection is this rank's slice
+    of the checkpoint's: its rows start at ``source_starts[i]`` there.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, source_starts: list[int] | None = None):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = list(output_sizes)
+        self.source_starts = list(source_starts) if source_starts is not None else [0] * len(output_sizes)
 
     def shard_rows(self, index: int) -> tuple[int, int]:
         """(first output row, number of rows) of shard ``index``."""
         return sum(self.output_sizes[:index]), self.output_sizes[index]
+
+    def checkpoint_region(self, param: str, shard: int | None) -> Region | None:
+        """Weight and bias alike: the projection's rows of this rank."""
+        return 0, self.source_starts[shard], self.output_sizes[shard]

@@ -12,6 +12,7 @@ from worker.models.base import CausalLM
 from worker.models.checkpoint import SafetensorsCheckpoint
 from worker.models.decoder import DECODER_FLAGS, DecoderLM
 from worker.models.gpt2 import GPT2LM
+from worker.tp.group import SINGLE, TensorParallel
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (*DECODER_FLAGS, "GPT2LMHeadModel")
 
@@ -28,16 +29,27 @@ def architecture_of(hf_config) -> str:
     )
 
 
-def _build(architecture: str, hf_config, attention: AttentionBackend, tie_word_embeddings: bool) -> CausalLM:
+def _build(architecture: str, hf_config, attention: AttentionBackend, tie_word_embeddings: bool,
+           tp: TensorParallel) -> CausalLM:
     if architecture == "GPT2LMHeadModel":
-        return GPT2LM(hf_config, attention, tie_word_embeddings)
-    return DecoderLM(hf_config, DECODER_FLAGS[architecture](hf_config), attention, tie_word_embeddings)
+        return GPT2LM(hf_config, attention, tie_word_embeddings, tp)
+    return DecoderLM(hf_config, DECODER_FLAGS[architecture](hf_config), attention, tie_word_embeddings, tp)
+
+
+def check_tensor_parallel(hf_config, size: int) -> None:
+    """Refuses, with a ValueError naming tensor_parallel_size, a model whose heads, KV heads
+    or MLP do not split across `size` ranks, before any rank starts: rank 0's shard is
+    built on the meta device (which costs nothing), as every rank will build its own."""
+    with torch.device("meta"):
+        _build(architecture_of(hf_config), hf_config, None, True, TensorParallel(0, size))
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention: AttentionBackend
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """Build the checkpoint's architecture with its weights in `dtype` on `device`."""
+    """Build the checkpoint's architecture with its weights in `dtype` on `device` (under
+    tensor parallelism, rank `tp.rank`'s shard of them)."""
     path = check_model_dir(model_dir)
     hf_config = load_hf_config(path)
     architecture = architecture_of(hf_config)
@@ -46,7 +58,7 @@ def load_model(
     # Built on the meta device so no time or memory goes into initialising weights that
     # the checkpoint overwrites; materialised uninitialised, then filled.
     with torch.device("meta"):
-        model = _build(architecture, hf_config, attention, tie)
+        model = _build(architecture, hf_config, attention, tie, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(checkpoint.tensors())
     model.init_buffers()

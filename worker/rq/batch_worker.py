@@ -73,6 +73,7 @@ from rq.utils import as_text
 from rq.utils import now as utcnow
 from rq.worker import BaseWorker, WorkerStatus
 
+from pagedq.front.core_client import EngineDeadError
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
 from pagedq.redis_connection import connect, passing_redis_trouble
@@ -189,6 +190,7 @@ class BatchWorker(BaseWorker):
         self._suspended = False
         self._next_reap = 0.0
         self._next_heartbeat = 0.0
+        self._engine_dead: EngineDeadError | None = None  # set when a step finds the engine gone
         self._next_full_check = 0.0
         self._cancels_seen = b""
         # Runs each tick's Redis round trip while the engine steps.
@@ -205,10 +207,12 @@ class BatchWorker(BaseWorker):
         return self.settings.heartbeat_ttl_s
 
     def serialize(self) -> dict:
-        # In the worker's hash, so GET /ready can say where to scrape an ephemeral port.
+        # In the worker's hash, so GET /ready can say where to scrape an ephemeral port,
+        # and on how many ranks (devices) this worker's engine runs.
         fields = super().serialize()
         if self.metrics_port is not None:
             fields["metrics_port"] = self.metrics_port
+        fields["tensor_parallel_size"] = self.engine.args.tensor_parallel_size
         return fields
 
     def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
@@ -300,6 +304,8 @@ class BatchWorker(BaseWorker):
                 self._take_pending()
             self._sync_with_redis(admit=False, full=True)
             self._requeue_inflight()
+            if self._engine_dead is not None:
+                raise self._engine_dead
         finally:
             self._step_heartbeats.stop()
             self._io.shutdown(wait=True)
@@ -459,7 +465,13 @@ class BatchWorker(BaseWorker):
             lost[running[position - 1].request_id] = running[position - 1]
 
     def _wait_for_work(self) -> None:
-        """Idle: block on the queue for a while (or just wait, when not admitting)."""
+        """Idle: block on the queue for a while (or just wait, when not admitting); an
+        engine that died meanwhile ends the loop first."""
+        try:
+            self.engine.check_alive()
+        except EngineDeadError as exc:
+            self._engine_died(exc)
+            return
         if self._draining or self._suspended or len(self.inflight) >= self.capacity:
             time.sleep(_IDLE_WAIT_S)
             return
@@ -554,6 +566,9 @@ class BatchWorker(BaseWorker):
         try:
             with self._step_heartbeats.step():
                 outputs = self.engine.step()
+        except EngineDeadError as exc:
+            self._engine_died(exc)
+            return
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
@@ -570,6 +585,15 @@ class BatchWorker(BaseWorker):
                 entry.num_tokens, entry.last_token_at = num_tokens, now
             if output.finished:
                 entry.final = output
+
+    def _engine_died(self, exc: EngineDeadError) -> None:
+        """The engine is gone (its core process, or a tensor-parallel rank): no job was at
+        fault, so the loop ends as a drain's does, at once, requeueing each job whole at
+        the queue's front for another worker; then this worker leaves (its exit status
+        says why) rather than take jobs it cannot run."""
+        self.log.error("Worker %s: the engine died (%s); requeueing its jobs and stopping", self.name, exc)
+        self._engine_dead = exc
+        self._draining, self._drain_deadline = True, 0.0
 
     def _queue_successes(self, pipeline, entries: list[InFlight]) -> None:
         """Queue, as one fenced script call, what RQ's success path writes for each
