@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import files, native_routes, openai_compat, retention
+from api import files, native_routes, openai_compat, responses_routes, retention, tokenize_routes
 from api.batches import routes as batch_routes
 from api.batches.store import BatchStore
 from api.batches.supervisor import supervise
@@ -117,9 +117,10 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
     install_error_handlers(app)
-    for router in (openai_compat.router, files.router, batch_routes.router):
+    for router in (openai_compat.router, responses_routes.router, files.router, batch_routes.router):
         app.include_router(router, responses={code: {"description": "OpenAI's error object"} for code in (400, 401, 404, 409)})
     app.include_router(native_routes.router)
+    app.include_router(tokenize_routes.router)
 
     return app
 
