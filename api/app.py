@@ -29,6 +29,8 @@ from api.jobs import JobStore
 from api.prompts import PromptChecker
 from api.streaming import StreamReader
 from api.threads import blocking_limiter
+from api.worker_metrics import WorkerSeries
+from pagedq.live_workers import live_workers
 from pagedq.metrics import ApiMetrics
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
@@ -102,7 +104,13 @@ def create_app(settings: Settings) -> FastAPI:
         store: JobStore = app.state.store
         return {queue.name: queue.count for queue in (store.queue, store.batch_queue)}
 
-    metrics = ApiMetrics(queue_depths)
+    def workers() -> list[dict]:
+        """Each live worker once (a worker serves both queues)."""
+        store: JobStore = app.state.store
+        rows = (worker for queue in (store.queue, store.batch_queue) for worker in live_workers(app.state.redis, queue))
+        return list({worker["name"]: worker for worker in rows}.values())
+
+    metrics = ApiMetrics(queue_depths, WorkerSeries(workers))
     # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN.
     app = FastAPIOffline(title="pagedq", description=__doc__, lifespan=lifespan)
     app.state.settings = settings

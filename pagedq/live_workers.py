@@ -12,14 +12,15 @@ from rq.worker_registration import get_keys as registered_worker_keys
 
 
 def live_workers(connection: Redis, queue: Queue) -> list[dict]:
-    """The queue's live workers: name, state, engine stats, metrics port."""
+    """The queue's live workers: name, state, engine stats, metrics port, and the address
+    Redis sees the worker at (where its metrics port listens)."""
     keys = sorted(registered_worker_keys(queue=queue))
     with connection.pipeline(transaction=False) as pipeline:
         for key in keys:
-            pipeline.hmget(key, "state", "death", "engine_stats", "metrics_port")
+            pipeline.hmget(key, "state", "death", "engine_stats", "metrics_port", "ip_address")
         rows = pipeline.execute()
     workers = []
-    for key, (state, death, engine_stats, metrics_port) in zip(keys, rows):
+    for key, (state, death, engine_stats, metrics_port, address) in zip(keys, rows):
         if state is None or death is not None:
             continue  # expired (no heartbeat) or shut down
         workers.append({
@@ -27,5 +28,7 @@ def live_workers(connection: Redis, queue: Queue) -> list[dict]:
             "state": state.decode(),
             "engine": json.loads(engine_stats) if engine_stats else None,
             "metrics_port": int(metrics_port) if metrics_port else None,
+            # RQ's ip_address: "host:port" of the worker's Redis connection.
+            "host": address.decode().rpartition(":")[0] if address and b":" in address else None,
         })
     return workers

@@ -301,6 +301,10 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     submitted = ("pagedq:jobs_submitted_total", (("queue", QUEUE),))
     assert api_after[submitted] - api_before.get(submitted, 0) == 1
     assert ("pagedq:queue_depth", (("queue", f"{QUEUE}.batch"),)) in api_after
+    # The api's page carries the workers' series too (one worker here: its own numbers).
+    for series in (("pagedq:generation_tokens_total", vllm_labels), ("pagedq:jobs_finished_total", ()),
+                   ("pagedq:e2e_request_latency_seconds_count", vllm_labels)):
+        assert api_after[series] == after[series]
 
 
 def sse_payloads(response: httpx.Response) -> list:
