@@ -23,6 +23,7 @@ from api.batches.store import BatchStore
 from api.batches.supervisor import supervise
 from api.auth import Keyring, install_key_redactor
 from api.body_limit import BodySizeLimit
+from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
 from api.jobs import JobStore
@@ -112,7 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     metrics = ApiMetrics(queue_depths, WorkerSeries(workers))
     # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN.
-    app = FastAPIOffline(title="pagedq", description=__doc__, lifespan=lifespan)
+    app = FastAPIOffline(title="pagedq", lifespan=lifespan)
     app.state.settings = settings
     app.state.keyring = Keyring(settings)
     install_key_redactor(settings)
@@ -129,6 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router, responses={code: {"description": "OpenAI's error object"} for code in (400, 401, 404, 409)})
     app.include_router(native_routes.router)
     app.include_router(tokenize_routes.router)
+    install_docs(app)
 
     return app
 

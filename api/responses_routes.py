@@ -175,17 +175,6 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] | None = None
     usage: ResponseUsage | None = None
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "id": "resp_0f6c2b1e", "object": "response", "created_at": 1764190000, "status": "completed",
-        "incomplete_details": None, "error": None, "instructions": "Answer in one word.", "max_output_tokens": 16,
-        "model": "SmolLM2-135M-Instruct", "output": [{
-            "type": "message", "id": "msg_0f6c2b1e", "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": "Paris", "annotations": [], "logprobs": []}]}],
-        "parallel_tool_calls": False, "temperature": None, "top_p": None, "tool_choice": "none", "tools": [],
-        "text": {"format": {"type": "text"}}, "store": False, "metadata": None,
-        "usage": {"input_tokens": 21, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
-                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 23}}]})
-
 
 def _response(body: ResponsesRequest, response_id: str, model: str, created: int, text: str,
               finish_reason: str | None, usage: dict | None, done: bool = True) -> ResponseObject:
@@ -203,7 +192,7 @@ def _response(body: ResponsesRequest, response_id: str, model: str, created: int
     )
 
 
-@router.post("/responses", response_model=ResponseObject, summary="Create a response (OpenAI's Responses API)",
+@router.post("/responses", response_model=ResponseObject,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "The Response, or with stream=true its events (server-sent)."}})
 async def create_response(body: ResponsesRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):

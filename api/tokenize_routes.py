@@ -52,9 +52,6 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     token_strs: list[str] | None = None
 
-    model_config = ConfigDict(json_schema_extra={"examples": [
-        {"count": 4, "max_model_len": 2048, "tokens": [1, 415, 2936, 9060], "token_strs": None}]})
-
 
 class DetokenizeRequest(ValidInput):
     model_config = ConfigDict(extra="forbid")
@@ -66,16 +63,12 @@ class DetokenizeRequest(ValidInput):
 class DetokenizeResponse(BaseModel):
     prompt: str = Field(description="The tokens' text.")
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "The quick brown"}]})
-
 
 class VersionResponse(BaseModel):
     version: str = Field(description="pagedq's version.")
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"version": "0.1.0"}]})
 
-
-@router.post("/tokenize", response_model=TokenizeResponse, dependencies=_AUTH, summary="Tokenize a prompt or chat messages")
+@router.post("/tokenize", response_model=TokenizeResponse, dependencies=_AUTH)
 async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
     """The token ids the served model reads for a prompt, or for chat messages rendered
     through its chat template (as POST /v1/chat/completions renders them)."""
@@ -97,7 +90,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
     return await blocking(request, run)
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, dependencies=_AUTH, summary="Turn token ids back into text")
+@router.post("/detokenize", response_model=DetokenizeResponse, dependencies=_AUTH)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     request.app.state.openai.check_model(body.model)
     checker: PromptChecker = request.app.state.prompts
@@ -107,7 +100,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
         raise bad_request(exc) from None
 
 
-@router.get("/version", response_model=VersionResponse, summary="The server's version")
+@router.get("/version", response_model=VersionResponse)
 async def server_version() -> VersionResponse:
     """As vLLM's GET /version: open to anyone, like GET /health."""
     return VersionResponse(version=version("pagedq"))

@@ -586,3 +586,17 @@ def test_chat_stream_sends_its_role_with_the_first_output_and_usage_only_when_as
                                          timeout=60))
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert all(c["choices"] and c["usage"] is None for c in chunks)
+
+
+def test_answers_follow_the_documented_response_models(service, model):
+    """api.docs describes the answers the routes build themselves: real answers validate
+    against those models (extra fields forbidden), so the documentation cannot drift."""
+    from api.docs import ChatCompletionResponse, CompletionResponse, ModelList
+
+    api, _ = service
+    common = {"model": model.name, "max_tokens": 3, "logprobs": 1, "return_token_ids": True}
+    CompletionResponse.model_validate(httpx.post(f"{api.url}/v1/completions", json={**common, "prompt": "Hi"},
+                                                 timeout=30).json())
+    chat = {**common, "logprobs": True, "top_logprobs": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    ChatCompletionResponse.model_validate(httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=30).json())
+    ModelList.model_validate(httpx.get(f"{api.url}/v1/models").json())
