@@ -28,6 +28,9 @@ _SAMPLING = (
     "include_stop_str_in_output", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words",
 )
 
+# What vLLM's beam search reads of a request (BeamSearchParams); it ignores the other sampling fields.
+_BEAM_SEARCH_READS = {"n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
+                      "skip_special_tokens", "spaces_between_special_tokens"}
 _IGNORED = "Accepted and ignored, as vLLM ignores it: it changes nothing about the generated text."
 
 
@@ -150,8 +153,9 @@ class _OpenAIRequest(ValidInput):
 
     def _sampling(self, default_max_tokens: int | None, logprobs: int | None) -> dict:
         """GenerateRequest's fields but the prompt. Beam search (vLLM's use_beam_search) runs
-        n beams; a sampling field it does not read is refused by GenerateRequest, naming it,
-        except temperature 0, which is what beam search does anyway."""
+        n beams and, as vLLM's, ignores the sampling fields it does not read; a temperature
+        above 0 (vLLM samples its beams, pagedq's beam search does not) is refused by
+        GenerateRequest, naming it."""
         fields = {name: getattr(self, name) for name in _SAMPLING if getattr(self, name) is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         if logprobs is not None:
@@ -161,6 +165,7 @@ class _OpenAIRequest(ValidInput):
         elif self.structured_outputs is not None:
             fields["structured_outputs"] = self.structured_outputs
         if self.use_beam_search:
+            fields = {name: value for name, value in fields.items() if name in _BEAM_SEARCH_READS}
             fields["beam_width"] = fields.pop("n", 1)
             if fields.get("temperature") == 0:
                 del fields["temperature"]
@@ -239,7 +244,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn.")
     chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking)."
+        None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking); "
+        "apply_chat_template's own arguments (add_generation_prompt, tokenize, ...) are ignored, as vLLM ignores them."
     )
     parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (No tools are served.)")
     reasoning_effort: str | None = Field(None, description=_IGNORED + " (The served models do not reason.)")

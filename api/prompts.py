@@ -36,7 +36,7 @@ _TOKENIZER_COPIES = 4
 # averages 3-5); and the tokens a word cut at that point may have more than when whole.
 _HEAD_CHARS_PER_TOKEN = 8
 _CUT_WORD_TOKENS = 64
-# apply_chat_template's own arguments: the service sets them, chat_template_kwargs may not.
+# apply_chat_template's own arguments: the service sets them, chat_template_kwargs does not.
 _TEMPLATE_ARGUMENTS = {
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
@@ -135,14 +135,14 @@ class PromptChecker:
         vLLM's chat_template_kwargs, variables the template reads."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
-        reserved = sorted(set(template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
+        # vLLM's rule: the request's own fields win; apply_chat_template's arguments given as
+        # template variables (add_generation_prompt, tokenize, ...) are dropped.
+        template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_ARGUMENTS}
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
         with self.borrowed() as tokenizer:
             try:
                 encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=True, **(template_kwargs or {}))
+                                                        tokenize=True, **template_kwargs)
             except Exception as exc:  # jinja2's errors: the template refused these messages or variables
                 raise ValueError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
         # transformers 5 answers a BatchEncoding, earlier versions a list.
