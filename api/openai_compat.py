@@ -129,7 +129,7 @@ class OpenAITranslator:
         created = int(results[0].timings.enqueued or time.time())
         usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
         indexed = [(offset + output.index, prompt, result, output)
-                   for offset, prompt, result in zip(_choice_offsets(results), range(len(results)), results)
+                   for prompt, (offset, result) in enumerate(zip(_choice_offsets(results), results))
                    for output in result.outputs]
         if endpoint == COMPLETIONS:
             choices = []
@@ -264,8 +264,9 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         jobs = await blocking(request, submit)
     except QueueFull as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
-    echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs]) \
-        if getattr(body, "echo", False) else None
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs])
     if body.stream:
         return StreamingResponse(
             _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, echo),

@@ -180,7 +180,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, created: int
               finish_reason: str | None, usage: dict | None, done: bool = True) -> ResponseObject:
     incomplete = finish_reason == "length"
     status = "in_progress" if not done else "incomplete" if incomplete else "completed"
-    output = [OutputMessage(id=f"msg_{response_id}", status=status, content=[OutputText(text=text)])] if done else []
+    # vLLM's: the message itself is complete, the response is what max_output_tokens cut short.
+    output = [OutputMessage(id=f"msg_{response_id}", status="completed", content=[OutputText(text=text)])] if done else []
     return ResponseObject(
         id=f"resp_{response_id}", created_at=created, status=status, model=model, output=output,
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if done and incomplete else None,
@@ -278,7 +279,8 @@ async def _translated(body: ResponsesRequest, chat_stream: AsyncIterator[str]) -
                 out.append(event("response.content_part.done", **item, content_index=0,
                                  part=message.content[0].model_dump()))
                 out.append(event("response.output_item.done", output_index=0, item=message.model_dump()))
-                kind = "response.completed" if final.status == "completed" else "response.incomplete"
-                out.append(event(kind, response=final.model_dump(mode="json")))
+                # vLLM ends every stream with response.completed; the response's status says whether
+                # max_output_tokens cut it short.
+                out.append(event("response.completed", response=final.model_dump(mode="json")))
         if out:
             yield "".join(out)
