@@ -86,29 +86,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: int | str | None = Field(description="vLLM's: the stop string or token id that ended the text.")
-    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
     token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
-class CompletionResponse(BaseModel):
-    """POST /v1/completions (with stream=true: `text_completion` chunks, server-sent, then `data: [DONE]`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None
+    prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
 class AssistantMessage(BaseModel):
@@ -130,28 +120,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    index: int
+class ChatChoice(_Choice):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
-    stop_reason: int | str | None
-    token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
-class ChatCompletionResponse(BaseModel):
-    """POST /v1/chat/completions (with stream=true: `chat.completion.chunk`s, server-sent, then `data: [DONE]`)."""
-
+class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
-    object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage
+
+
+class CompletionResponse(_Answer):
+    """POST /v1/completions (with stream=true: `text_completion` chunks, server-sent, then `data: [DONE]`)."""
+
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Answer):
+    """POST /v1/chat/completions (with stream=true: `chat.completion.chunk`s, server-sent, then `data: [DONE]`)."""
+
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
