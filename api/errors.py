@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from pagedq.redis_connection import passing_redis_trouble
+from pagedq.request_rules import describe_error
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -97,13 +98,7 @@ def named_field(message: str) -> str | None:
 
 
 def _describe(error: dict) -> str:
-    # pydantic words a validator's ValueError "Value error, <message>"; our messages start
-    # with the field they are about, which is all the client needs.
-    message = error["msg"].removeprefix("Value error, ")
-    field = _field(error)
-    if not field or (named_field(message) or "").startswith(field):
-        return message
-    return f"{field}: {message}"
+    return describe_error(_field(error), error["msg"])
 
 
 def describe_validation_errors(errors: list[dict]) -> str:

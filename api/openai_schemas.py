@@ -74,7 +74,7 @@ class ResponseFormat(BaseModel):
             return StructuredOutputsParams(json=self.json_schema.schema_)
         except ValidationError as exc:
             # The client sent response_format: the error names it, not structured_outputs.
-            reason = describe_invalid(exc).removeprefix("Value error, ").removeprefix("structured_outputs.json: ")
+            reason = describe_invalid(exc).removeprefix("structured_outputs.json: ")
             raise ValueError(f"response_format.json_schema.schema: {reason}") from None
 
 
