@@ -12,7 +12,7 @@ from importlib.metadata import version
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from api.auth import authenticate
 from api.errors import bad_request
@@ -25,25 +25,29 @@ router = APIRouter(tags=["Tokenizer"])
 _AUTH = [Depends(authenticate)]
 
 
-class TokenizeCompletionRequest(ValidInput):
+class TokenizeRequest(ValidInput):
+    """vLLM's two tokenize requests (a prompt, or chat messages) in one body: whichever is given."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = Field(None, description="The served model; left out, that one.")
-    prompt: StrictStr
-    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS), as a prompt gets.")
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="Instead of prompt: a conversation.")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn, as chat does.")
+    add_special_tokens: bool | None = Field(
+        None, description="Add the tokenizer's special tokens (e.g. BOS) to a prompt (the default, as vLLM's); "
+        "messages get those their chat template writes."
+    )
     return_token_strs: bool = Field(False, description="Also return each token as the vocabulary spells it.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: variables for the chat template.")
 
-
-class TokenizeChatRequest(ValidInput):
-    model_config = ConfigDict(extra="forbid")
-
-    model: StrictStr | None = Field(None, description="The served model; left out, that one.")
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = Field(True, description="End with the assistant's turn, as a chat request does.")
-    # vLLM's default for chat: the chat template writes the special tokens itself.
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give a prompt or messages (one of them)")
+        if self.messages is not None and self.add_special_tokens:
+            raise ValueError("add_special_tokens: not with messages (their chat template writes the special tokens)")
+        return self
 
 
 class TokenizeResponse(BaseModel):
@@ -69,7 +73,7 @@ class VersionResponse(BaseModel):
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, dependencies=_AUTH)
-async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """The token ids the served model reads for a prompt, or for chat messages rendered
     through its chat template (as POST /v1/chat/completions renders them)."""
     request.app.state.openai.check_model(body.model)
@@ -77,11 +81,11 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
 
     def run() -> TokenizeResponse:
         try:
-            if isinstance(body, TokenizeChatRequest):
+            if body.messages is not None:
                 messages = [message.template_dict() for message in body.messages]
                 ids = checker.chat_token_ids(messages, body.add_generation_prompt, body.chat_template_kwargs)
             else:
-                ids = checker.tokenize(body.prompt, body.add_special_tokens)
+                ids = checker.tokenize(body.prompt, body.add_special_tokens is not False)
         except ValueError as exc:
             raise bad_request(exc) from None
         return TokenizeResponse(count=len(ids), max_model_len=checker.max_model_len, tokens=ids,

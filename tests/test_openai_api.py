@@ -537,6 +537,10 @@ def test_tokenize_detokenize_and_version_answer_as_vllm(service, model):
     assert httpx.post(f"{api.url}/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
     bad = httpx.post(f"{api.url}/detokenize", json={"model": model.name, "tokens": [1, 99999]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    for body, param in (({"prompt": 5}, "prompt"), ({"messages": messages, "prompt": "x"}, "prompt"),
+                        ({"messages": messages, "add_special_tokens": True}, "add_special_tokens")):
+        refused = httpx.post(f"{api.url}/tokenize", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     # vLLM ignores apply_chat_template's own arguments given as template variables.
     reserved = httpx.post(f"{api.url}/tokenize", json={"messages": messages, "chat_template_kwargs": {
         "tokenize": False, "add_generation_prompt": False}})
