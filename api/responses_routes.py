@@ -52,7 +52,7 @@ class InputMessage(ValidInput):
 class TextFormat(BaseModel):
     """The Responses API's text.format: response_format's fields, flat."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: StrictStr | None = None

@@ -574,6 +574,16 @@ def test_responses_api_streamed_or_not_with_the_openai_client(service, client, m
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
     assert events[-1].response.output_text == response.output_text and events[-1].response.usage.output_tokens == 6
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # text.format is response_format's json_schema, flat: the same constrained text as chat's;
+    # the response repeats it as sent.
+    schema = {"type": "object", "properties": {"colour": {"enum": CHOICES}}, "required": ["colour"]}
+    shaped = client.responses.create(model=model.name, input="A colour as JSON", max_output_tokens=20, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    as_chat = client.chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "A colour as JSON"}], max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert shaped.output_text == as_chat.choices[0].message.content and shaped.output_text.lstrip().startswith("{")
+    assert shaped.text.format.schema_ == schema
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=model.name, input="hi", previous_response_id="resp_1")
 
