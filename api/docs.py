@@ -95,10 +95,20 @@ class _Choice(BaseModel):
     token_ids: list[int] | None = Field(None, description="With return_token_ids.")
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = Field(description="1: the likeliest; None: the prompt's token, not among the top ones.")
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs: per prompt token.")
 
 
 class AssistantMessage(BaseModel):
@@ -147,6 +157,7 @@ class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
     prompt_token_ids: list[int] | None = Field(None, description="With return_token_ids.")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="With prompt_logprobs: per prompt token.")
 
 
 class Health(BaseModel):

@@ -119,13 +119,15 @@ class OpenAITranslator:
 
     def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None,
                  prompt_token_ids: list[list[int]] | None = None, echo: list[str] | None = None,
-                 return_token_ids: bool = False) -> dict:
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> dict:
         """OpenAI's response body for finished jobs (one per prompt): a choice per output,
         indexed as OpenAI does (prompt by prompt, each prompt's n outputs in turn); usage
         summed. `top_logprobs`: the jobs' SamplingParams.logprobs (chat lists that many
         alternatives per token). `prompt_token_ids`: each prompt's, which `echo` (each
         prompt's text, put before its choices' text: completions) and vLLM's
-        `return_token_ids` (the prompt's and each choice's token ids in the response) need."""
+        `return_token_ids` (the prompt's and each choice's token ids in the response) need.
+        `prompt_logprobs`: the jobs' SamplingParams.prompt_logprobs (vLLM's prompt_logprobs
+        in the response: each completion choice's, chat's beside its choices)."""
         created = int(results[0].timings.enqueued or time.time())
         usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
         indexed = [(offset + output.index, prompt, result, output)
@@ -144,6 +146,8 @@ class OpenAITranslator:
                           "stop_reason": output.stop_reason}
                 if return_token_ids:
                     choice.update(prompt_token_ids=prompt_token_ids[prompt], token_ids=output.token_ids)
+                if prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.ranked_prompt_logprobs(result.prompt_logprobs, prompt_logprobs)
                 choices.append(choice)
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
@@ -159,7 +163,21 @@ class OpenAITranslator:
                 "choices": choices, "usage": usage}
         if return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids[0]  # vLLM's: a chat request has one prompt
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.ranked_prompt_logprobs(results[0].prompt_logprobs, prompt_logprobs)
         return body
+
+    def ranked_prompt_logprobs(self, steps: list[dict[str, float] | None], alternatives: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob,
+        rank, decoded_token}} for the top `alternatives` and the prompt's own token; that
+        token's rank is unknown (None) when it is not among the top ones."""
+        ids = sorted({int(token_id) for step in steps if step for token_id in step})
+        texts = dict(zip(ids, self.checker.token_texts(ids)))
+        return [None if step is None else {
+            token_id: {"logprob": logprob, "rank": rank if rank <= alternatives else None,
+                       "decoded_token": texts[int(token_id)]}
+            for rank, (token_id, logprob) in enumerate(sorted(step.items(), key=lambda item: -item[1]), 1)
+        } for step in steps]
 
     def _steps(self, token_ids: list[int], logprobs: list[dict[str, float] | None]
                ) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
@@ -298,7 +316,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         results.append(result)
     return JSONResponse(translator.response(
         endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs, [job.prompt_token_ids for job in jobs], echo,
-        body.return_token_ids))
+        body.return_token_ids, body.prompt_logprobs))
 
 
 @dataclass

@@ -26,6 +26,7 @@ _SAMPLING = (
     "n", "max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
     "include_stop_str_in_output", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+    "prompt_logprobs",
 )
 
 # What vLLM's beam search reads of a request (BeamSearchParams); it ignores the other sampling fields.
@@ -114,6 +115,9 @@ class _OpenAIRequest(ValidInput):
     return_token_ids: bool = Field(
         False, description="vLLM's: the response holds prompt_token_ids and each choice's token_ids."
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="vLLM's: each prompt token's logprob and that many alternatives (not streamed)."
+    )
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -135,6 +139,8 @@ class _OpenAIRequest(ValidInput):
             self.response_format.structured_outputs()  # a schema that cannot compile is refused here
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens: -1 or at least 1 (0 would keep no prompt)")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as vLLM)")
         if self.return_token_ids and self.stream:
             raise ValueError("return_token_ids: not available with stream=true (streamed chunks carry text)")
         if self.use_beam_search:
@@ -210,7 +216,7 @@ class CompletionRequest(_OpenAIRequest):
         (OpenAITranslator.prepare caps it once the prompt's length is known), but for beam search,
         which needs one."""
         sampling = self._sampling(COMPLETION_MAX_TOKENS if self.use_beam_search else None, self.logprobs)
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             sampling["prompt_logprobs"] = self.logprobs  # vLLM's: echo's logprobs cover the prompt too
         return [
             GenerateRequest(**({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}), **sampling)

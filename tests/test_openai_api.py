@@ -617,9 +617,21 @@ def test_answers_follow_the_documented_response_models(service, model):
     from api.docs import ChatCompletionResponse, CompletionResponse, ModelList
 
     api, _ = service
-    common = {"model": model.name, "max_tokens": 3, "logprobs": 1, "return_token_ids": True}
-    CompletionResponse.model_validate(httpx.post(f"{api.url}/v1/completions", json={**common, "prompt": "Hi"},
-                                                 timeout=30).json())
+    common = {"model": model.name, "max_tokens": 3, "logprobs": 1, "return_token_ids": True, "prompt_logprobs": 2}
+    completion = CompletionResponse.model_validate(httpx.post(
+        f"{api.url}/v1/completions", json={**common, "prompt": "Hi there you"}, timeout=30).json())
     chat = {**common, "logprobs": True, "top_logprobs": 1, "messages": [{"role": "user", "content": "Hi"}]}
-    ChatCompletionResponse.model_validate(httpx.post(f"{api.url}/v1/chat/completions", json=chat, timeout=30).json())
+    answer = ChatCompletionResponse.model_validate(httpx.post(f"{api.url}/v1/chat/completions", json=chat,
+                                                              timeout=30).json())
+    # vLLM's prompt_logprobs: None for the first prompt token, then the top 2 (ranks 1, 2) and
+    # the prompt's own token (its rank unknown when it is not among them).
+    for steps, prompt_ids in ((completion.choices[0].prompt_logprobs, completion.choices[0].prompt_token_ids),
+                              (answer.prompt_logprobs, answer.prompt_token_ids)):
+        assert steps[0] is None and len(steps) == len(prompt_ids)
+        for step, token_id in zip(steps[1:], prompt_ids[1:]):
+            assert str(token_id) in step and [e.rank for e in step.values()][:2] == [1, 2]
+            assert len(step) == 2 or step[str(token_id)].rank is None
+    refused = httpx.post(f"{api.url}/v1/completions", json={**common, "prompt": "x", "return_token_ids": False,
+                                                           "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
     ModelList.model_validate(httpx.get(f"{api.url}/v1/models").json())
