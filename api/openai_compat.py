@@ -147,7 +147,8 @@ class OpenAITranslator:
                 if return_token_ids:
                     choice.update(prompt_token_ids=prompt_token_ids[prompt], token_ids=output.token_ids)
                 if prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.ranked_prompt_logprobs(result.prompt_logprobs, prompt_logprobs)
+                    choice["prompt_logprobs"] = self.ranked_prompt_logprobs(
+                        result.prompt_logprobs, prompt_token_ids[prompt], prompt_logprobs)
                 choices.append(choice)
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
@@ -164,20 +165,28 @@ class OpenAITranslator:
         if return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids[0]  # vLLM's: a chat request has one prompt
         if prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.ranked_prompt_logprobs(results[0].prompt_logprobs, prompt_logprobs)
+            body["prompt_logprobs"] = self.ranked_prompt_logprobs(
+                results[0].prompt_logprobs, prompt_token_ids[0], prompt_logprobs)
         return body
 
-    def ranked_prompt_logprobs(self, steps: list[dict[str, float] | None], alternatives: int) -> list[dict | None]:
+    def ranked_prompt_logprobs(self, steps: list[dict[str, float] | None], prompt_token_ids: list[int],
+                               alternatives: int) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob,
-        rank, decoded_token}} for the top `alternatives` and the prompt's own token; that
-        token's rank is unknown (None) when it is not among the top ones."""
+        rank, decoded_token}}, the prompt's own token first, then the top `alternatives`; the
+        own token's rank is unknown (None) when it is not among the top ones."""
         ids = sorted({int(token_id) for step in steps if step for token_id in step})
         texts = dict(zip(ids, self.checker.token_texts(ids)))
-        return [None if step is None else {
-            token_id: {"logprob": logprob, "rank": rank if rank <= alternatives else None,
-                       "decoded_token": texts[int(token_id)]}
-            for rank, (token_id, logprob) in enumerate(sorted(step.items(), key=lambda item: -item[1]), 1)
-        } for step in steps]
+        ranked = []
+        for step, own in zip(steps, prompt_token_ids):
+            if step is None:
+                ranked.append(None)
+                continue
+            ranks = {token_id: rank for rank, (token_id, _) in enumerate(sorted(step.items(), key=lambda item: -item[1]), 1)}
+            order = sorted(step, key=lambda token_id: (token_id != str(own), ranks[token_id]))
+            ranked.append({token_id: {"logprob": step[token_id], "decoded_token": texts[int(token_id)],
+                                      "rank": ranks[token_id] if ranks[token_id] <= alternatives else None}
+                           for token_id in order})
+        return ranked
 
     def _steps(self, token_ids: list[int], logprobs: list[dict[str, float] | None]
                ) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
