@@ -183,8 +183,9 @@ class OpenAITranslator:
                 continue
             ranks = {token_id: rank for rank, (token_id, _) in enumerate(sorted(step.items(), key=lambda item: -item[1]), 1)}
             order = sorted(step, key=lambda token_id: (token_id != str(own), ranks[token_id]))
-            ranked.append({token_id: {"logprob": step[token_id], "decoded_token": texts[int(token_id)],
-                                      "rank": ranks[token_id] if ranks[token_id] <= alternatives else None}
+            ranked.append({token_id: {"logprob": step[token_id],
+                                      "rank": ranks[token_id] if ranks[token_id] <= alternatives else None,
+                                      "decoded_token": texts[int(token_id)]}
                            for token_id in order})
         return ranked
 
