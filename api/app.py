@@ -17,18 +17,21 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import files, native_routes, openai_compat, retention
+from api import files, native_routes, openai_compat, responses_routes, retention, tokenize_routes
 from api.batches import routes as batch_routes
 from api.batches.store import BatchStore
 from api.batches.supervisor import supervise
 from api.auth import Keyring, install_key_redactor
 from api.body_limit import BodySizeLimit
+from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
 from api.jobs import JobStore
 from api.prompts import PromptChecker
 from api.streaming import StreamReader
 from api.threads import blocking_limiter
+from api.worker_metrics import WorkerSeries
+from pagedq.live_workers import live_workers
 from pagedq.metrics import ApiMetrics
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
@@ -102,9 +105,15 @@ def create_app(settings: Settings) -> FastAPI:
         store: JobStore = app.state.store
         return {queue.name: queue.count for queue in (store.queue, store.batch_queue)}
 
-    metrics = ApiMetrics(queue_depths)
+    def workers() -> list[dict]:
+        """Each live worker once (a worker serves both queues)."""
+        store: JobStore = app.state.store
+        rows = (worker for queue in (store.queue, store.batch_queue) for worker in live_workers(app.state.redis, queue))
+        return list({worker["name"]: worker for worker in rows}.values())
+
+    metrics = ApiMetrics(queue_depths, WorkerSeries(workers))
     # /docs and /redoc with their scripts served from the fastapi-offline package, not a CDN.
-    app = FastAPIOffline(title="pagedq", description=__doc__, lifespan=lifespan)
+    app = FastAPIOffline(title="pagedq", lifespan=lifespan)
     app.state.settings = settings
     app.state.keyring = Keyring(settings)
     install_key_redactor(settings)
@@ -117,9 +126,11 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
     install_error_handlers(app)
-    for router in (openai_compat.router, files.router, batch_routes.router):
+    for router in (openai_compat.router, responses_routes.router, files.router, batch_routes.router):
         app.include_router(router, responses={code: {"description": "OpenAI's error object"} for code in (400, 401, 404, 409)})
     app.include_router(native_routes.router)
+    app.include_router(tokenize_routes.router)
+    install_docs(app)
 
     return app
 

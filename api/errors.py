@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from pagedq.redis_connection import passing_redis_trouble
+from pagedq.request_rules import describe_error
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -27,6 +28,12 @@ REDIS_RETRY_AFTER_S = 2
 
 
 OPENAI_PREFIX = "/v1/"
+# vLLM's routes outside /v1 that answer errors in OpenAI's shape, as vLLM's do.
+_VLLM_PATHS = ("/tokenize", "/detokenize")
+
+
+def speaks_openai(path: str) -> bool:
+    return path.startswith(OPENAI_PREFIX) or path in _VLLM_PATHS
 
 
 class ApiError(HTTPException):
@@ -40,6 +47,11 @@ class ApiError(HTTPException):
         super().__init__(status_code=status_code, detail=message, headers=headers)
         self.param = param
         self.code = code
+
+
+def bad_request(exc: ValueError) -> ApiError:
+    """400 for input a check refused; `param`: the field its message starts with."""
+    return ApiError(400, str(exc), param=named_field(str(exc)))
 
 
 def openai_error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -59,7 +71,7 @@ def error_response(
     param: str | None = None, code: str | None = None,
 ) -> JSONResponse:
     """The error in the shape its route speaks (`path`: the request's)."""
-    if path.startswith(OPENAI_PREFIX):
+    if speaks_openai(path):
         body = openai_error_body(status_code, message, param, code)
     else:
         body = {"error": HTTPStatus(status_code).phrase.lower().replace(" ", "_"), "message": message}
@@ -79,13 +91,24 @@ def _field(error: dict) -> str:
     return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
 
 
+def named_field(message: str) -> str | None:
+    """The field an error message names first ("n: ..." names n), as OpenAI's `param`."""
+    head, colon, _ = message.partition(":")
+    return head if colon and head and " " not in head else None
+
+
+def _describe(error: dict) -> str:
+    return describe_error(_field(error), error["msg"])
+
+
 def describe_validation_errors(errors: list[dict]) -> str:
-    return "; ".join(f"{_field(error)}: {error['msg']}" if _field(error) else error["msg"] for error in errors)
+    return "; ".join(_describe(error) for error in errors)
 
 
 def first_field(errors: list[dict]) -> str | None:
-    """The first invalid field's name, as the client spelled it (OpenAI's `param`)."""
-    return next((field for error in errors if (field := _field(error))), None)
+    """The first invalid field's name, as the client spelled it (OpenAI's `param`): where a
+    check of the whole body failed, the field its message names."""
+    return next((field for error in errors if (field := _field(error) or named_field(_describe(error)))), None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -102,7 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
         path = request.url.path
         if any(error.get("type") == "json_invalid" for error in errors):
             return error_response(400, "malformed JSON body: " + describe_validation_errors(errors), path=path)
-        if path.startswith(OPENAI_PREFIX):
+        if speaks_openai(path):
             return error_response(400, describe_validation_errors(errors), path=path, param=first_field(errors))
         return error_response(422, describe_validation_errors(errors))
 

@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api.auth import ANYONE, Caller, authenticate
-from api.errors import ApiError, describe_validation_errors, first_field, openai_error_body
+from api.errors import ApiError, bad_request, describe_validation_errors, first_field, named_field, openai_error_body
 from pagedq.redis_connection import passing_redis_trouble
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
 from pagedq.protocol import GenerateRequest, GenerationResult
@@ -70,8 +70,8 @@ class OpenAITranslator:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pagedq",
                 "max_model_len": self.checker.max_model_len}
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_id}` (GET /v1/models)",
                            param="model", code="model_not_found")
 
@@ -89,56 +89,121 @@ class OpenAITranslator:
         try:
             if endpoint == CHAT:
                 messages = [message.template_dict() for message in body.messages]
-                requests = body.generate_requests(self.checker.chat_token_ids(messages, body.add_generation_prompt))
+                requests = body.generate_requests(self.checker.chat_token_ids(
+                    messages, body.add_generation_prompt, body.chat_template_kwargs))
             else:
                 requests = body.generate_requests()
-            return [(self.checker.with_generation_defaults(request), self.checker.prompt_token_ids(request))
-                    for request in requests]
+            return [self._prepared(request, body) for request in requests]
         except ValidationError as exc:
             raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=_param(str(exc))) from None
+            raise bad_request(exc) from None
+
+    def _prepared(self, request: GenerateRequest, body: OpenAIRequest) -> tuple[GenerateRequest, list[int]]:
+        request = self.checker.with_generation_defaults(request)
+        ids = self.checker.prompt_token_ids(request, body.truncate_prompt_tokens)
+        if body.truncate_prompt_tokens is not None:
+            # The job runs the kept tokens; the text they came from is no longer its prompt.
+            request = request.model_copy(update={"prompt": None, "prompt_token_ids": ids})
+        if isinstance(body, CompletionRequest) and request.max_tokens is None:
+            # vLLM's: OpenAI's 16 tokens, or what the context leaves when that is less.
+            request.max_tokens = min(COMPLETION_MAX_TOKENS, self.checker.max_model_len - len(ids))
+        return request, ids
+
+    def echo_texts(self, jobs: list[tuple[GenerateRequest, list[int]]]) -> list[str]:
+        """What echo puts before each prompt's choices: the prompt as sent, or its tokens' text."""
+        with self.checker.borrowed() as tokenizer:
+            return [request.prompt if request.prompt is not None else tokenizer.decode(ids) for request, ids in jobs]
 
     # ---- responses ----------------------------------------------------------------------
 
-    def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None) -> dict:
+    def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None,
+                 prompt_token_ids: list[list[int]] | None = None, echo: list[str] | None = None,
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> dict:
         """OpenAI's response body for finished jobs (one per prompt): a choice per output,
         indexed as OpenAI does (prompt by prompt, each prompt's n outputs in turn); usage
         summed. `top_logprobs`: the jobs' SamplingParams.logprobs (chat lists that many
-        alternatives per token)."""
+        alternatives per token). `prompt_token_ids`: each prompt's, which `echo` (each
+        prompt's text, put before its choices' text: completions) and vLLM's
+        `return_token_ids` (the prompt's and each choice's token ids in the response) need.
+        `prompt_logprobs`: the jobs' SamplingParams.prompt_logprobs (vLLM's prompt_logprobs
+        in the response: each completion choice's, chat's beside its choices)."""
         created = int(results[0].timings.enqueued or time.time())
         usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
-        indexed = [(offset + output.index, output) for offset, result in zip(_choice_offsets(results), results)
+        indexed = [(offset + output.index, prompt, result, output)
+                   for prompt, (offset, result) in enumerate(zip(_choice_offsets(results), results))
                    for output in result.outputs]
         if endpoint == COMPLETIONS:
-            choices = [
-                {"index": index, "text": output.text, "logprobs": self.completion_logprobs(output.token_ids, output.logprobs),
-                 "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-                for index, output in indexed
-            ]
+            choices = []
+            for index, prompt, result, output in indexed:
+                text, logprobs = output.text, self.completion_logprobs(output.token_ids, output.logprobs)
+                if echo is not None:
+                    text = echo[prompt] + text
+                    if output.logprobs is not None:
+                        logprobs = self.completion_logprobs(
+                            [*prompt_token_ids[prompt], *output.token_ids], [*result.prompt_logprobs, *output.logprobs])
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": output.finish_reason,
+                          "stop_reason": output.stop_reason}
+                if return_token_ids:
+                    choice.update(prompt_token_ids=prompt_token_ids[prompt], token_ids=output.token_ids)
+                if prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.ranked_prompt_logprobs(
+                        result.prompt_logprobs, prompt_token_ids[prompt], prompt_logprobs)
+                choices.append(choice)
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
         choices = [
             {"index": index, "message": {"role": "assistant", "content": output.text},
              "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
              if top_logprobs is not None else None,
-             "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-            for index, output in indexed
+             "finish_reason": output.finish_reason, "stop_reason": output.stop_reason,
+             **({"token_ids": output.token_ids} if return_token_ids else {})}
+            for index, _, _, output in indexed
         ]
-        return {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
+        body = {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
                 "choices": choices, "usage": usage}
+        if return_token_ids:
+            body["prompt_token_ids"] = prompt_token_ids[0]  # vLLM's: a chat request has one prompt
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.ranked_prompt_logprobs(
+                results[0].prompt_logprobs, prompt_token_ids[0], prompt_logprobs)
+        return body
 
-    def _steps(self, token_ids: list[int], logprobs: list[dict[str, float]]) -> list[tuple[str, float, list[tuple[str, float]]]]:
-        """Per generated token: its text, its logprob, and the alternatives (text, logprob) best first."""
-        ranked = [sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1]) for step in logprobs]
-        ids = sorted({token_id for step in ranked for token_id, _ in step} | set(token_ids))
+    def ranked_prompt_logprobs(self, steps: list[dict[str, float] | None], prompt_token_ids: list[int],
+                               alternatives: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob,
+        rank, decoded_token}}, the prompt's own token first, then the top `alternatives`; the
+        own token's rank is unknown (None) when it is not among the top ones."""
+        ids = sorted({int(token_id) for step in steps if step for token_id in step})
+        texts = dict(zip(ids, self.checker.token_texts(ids)))
+        ranked = []
+        for step, own in zip(steps, prompt_token_ids):
+            if step is None:
+                ranked.append(None)
+                continue
+            ranks = {token_id: rank for rank, (token_id, _) in enumerate(sorted(step.items(), key=lambda item: -item[1]), 1)}
+            order = sorted(step, key=lambda token_id: (token_id != str(own), ranks[token_id]))
+            ranked.append({token_id: {"logprob": step[token_id],
+                                      "rank": ranks[token_id] if ranks[token_id] <= alternatives else None,
+                                      "decoded_token": texts[int(token_id)]}
+                           for token_id in order})
+        return ranked
+
+    def _steps(self, token_ids: list[int], logprobs: list[dict[str, float] | None]
+               ) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+        """Per token: its text, its logprob, and the alternatives (text, logprob) best first;
+        None for a step with none (a prompt's first token, echoed)."""
+        ranked = [None if step is None else sorted(((int(i), lp) for i, lp in step.items()), key=lambda item: -item[1])
+                  for step in logprobs]
+        ids = sorted({token_id for step in ranked for token_id, _ in step or ()} | set(token_ids))
         texts = dict(zip(ids, self.checker.token_texts(ids)))
         return [
-            (texts[token_id], step[str(token_id)], [(texts[i], lp) for i, lp in alternatives])
+            (texts[token_id], None, None) if step is None
+            else (texts[token_id], step[str(token_id)], [(texts[i], lp) for i, lp in alternatives])
             for token_id, step, alternatives in zip(token_ids, logprobs, ranked)
         ]
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[str, float]] | None,
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[str, float] | None] | None,
                             text_offset: int = 0) -> dict | None:
         """Completions' logprobs object for these tokens; `text_offset`: where their text starts in the choice's."""
         if logprobs is None:
@@ -149,7 +214,8 @@ class OpenAITranslator:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": [text for text, _, _ in steps], "token_logprobs": [lp for _, lp, _ in steps],
-                "top_logprobs": [dict(alternatives) for _, _, alternatives in steps], "text_offset": offsets}
+                "top_logprobs": [None if alternatives is None else dict(alternatives) for _, _, alternatives in steps],
+                "text_offset": offsets}
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[str, float]] | None, top_logprobs: int) -> dict | None:
         if logprobs is None:
@@ -162,12 +228,6 @@ class OpenAITranslator:
             {**entry(text, lp), "top_logprobs": [entry(t, alp) for t, alp in alternatives[:top_logprobs]]}
             for text, lp, alternatives in self._steps(token_ids, logprobs)
         ]}
-
-
-def _param(message: str) -> str | None:
-    """The field an error message names first ("n: ..." names n), as OpenAI's `param`."""
-    head, colon, _ = message.partition(":")
-    return head if colon and " " not in head else None
 
 
 def _choice_offsets(results: list[GenerationResult]) -> list[int]:
@@ -200,15 +260,17 @@ async def get_model(model: str, request: Request) -> dict:
 
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
-    return await _serve(request, COMPLETIONS, body, caller)
+    return await serve(request, COMPLETIONS, body, caller)
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
-    return await _serve(request, CHAT, body, caller)
+    return await serve(request, CHAT, body, caller)
 
 
-async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller) -> JSONResponse | StreamingResponse:
+async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller) -> JSONResponse | StreamingResponse:
+    """A validated request's jobs queued, answered as the endpoint answers (also what
+    /v1/responses builds on)."""
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
@@ -219,7 +281,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
         try:
             for generate, prompt_token_ids in translator.prepare(endpoint, body):
                 seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
-                jobs.append(_Job(seq_id, generate, len(prompt_token_ids), len(jobs) * generate.n))
+                jobs.append(_Job(seq_id, generate, prompt_token_ids, len(jobs) * generate.n))
         except BaseException:
             for job in jobs:
                 _cancel(store, job.seq_id)
@@ -230,9 +292,12 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
         jobs = await blocking(request, submit)
     except QueueFull as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs])
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage),
+            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, echo),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     deadline = time.monotonic() + settings.completion_timeout_s
@@ -254,12 +319,14 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
         state, result, error = await blocking(request, store.outcome, job.seq_id)
         if state == "failed":
             if (invalid := invalid_input(error)) is not None:
-                raise ApiError(400, invalid, param=_param(invalid), code="invalid_request")
+                raise ApiError(400, invalid, param=named_field(invalid), code="invalid_request")
             raise ApiError(500, f"job {job.seq_id} failed: {error}", code="job_failed")
         if result is None:
             raise ApiError(409, f"job {job.seq_id} was {state or 'deleted'} before it finished", code="canceled")
         results.append(result)
-    return JSONResponse(translator.response(endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs))
+    return JSONResponse(translator.response(
+        endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs, [job.prompt_token_ids for job in jobs], echo,
+        body.return_token_ids, body.prompt_logprobs))
 
 
 @dataclass
@@ -268,8 +335,12 @@ class _Job:
 
     seq_id: str
     generate: GenerateRequest
-    prompt_tokens: int
+    prompt_token_ids: list[int]
     first_choice: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 def _cancel(store: JobStore, seq_id: str) -> None:
@@ -313,10 +384,13 @@ class _StreamError(Exception):
 
 
 async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], include_usage: bool,
-                  continuous_usage: bool) -> AsyncIterator[str]:
+                  continuous_usage: bool, echo: list[str] | None = None) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks (a choice per output, numbered across the jobs of
     a prompt list), then the usage chunk if asked for, then `data: [DONE]`. Every chunk
-    carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far."""
+    carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far.
+    Chat's first chunks (the role, one per choice) go out with the first output, as vLLM
+    sends them: sent when the job is queued, they would make a client's time to first
+    token the queueing time. `echo`: each job's prompt text, before its choices' first text."""
     translator = _translator(request)
     chat = endpoint == CHAT
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].seq_id}",
@@ -325,6 +399,9 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
 
     def chunk(job: _Job, index: int, text: str | None, completion_tokens: int, logprobs: dict | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None, role: bool = False) -> str:
+        if echo is not None and (job.seq_id, index) not in echoed:
+            echoed.add((job.seq_id, index))
+            text = echo[jobs.index(job)] + (text or "")
         if chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": job.first_choice + index, "delta": {"role": "assistant", **delta} if role else delta}
@@ -335,8 +412,9 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
         return _sse({**base, "choices": [choice], "usage": usage})
 
     def error(message: str, code: str, status: int = 500) -> str:
-        return _sse(openai_error_body(status, message, _param(message) if status < 500 else None, code)) + _sse("[DONE]")
+        return _sse(openai_error_body(status, message, named_field(message) if status < 500 else None, code)) + _sse("[DONE]")
 
+    echoed: set[tuple[str, int]] = set()
     ended: set[str] = set()
     completion_tokens: dict[str, int] = {}
     queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
@@ -362,8 +440,8 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
 
     tasks = []
     try:
-        if chat:
-            yield "".join(chunk(job, index, "", 0, role=True) for job in jobs for index in range(job.generate.n))
+        roles = "".join(chunk(job, index, "", 0, role=True) for job in jobs for index in range(job.generate.n)) \
+            if chat else ""
         tasks = [asyncio.create_task(follow(job)) for job in jobs]
         remaining = len(jobs)
         while remaining:
@@ -381,7 +459,8 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
                             "redis_unavailable", 503)
                 return
             else:
-                yield item
+                yield roles + item
+                roles = ""
         tail = []
         if include_usage:
             usage = _usage(sum(job.prompt_tokens for job in jobs), sum(completion_tokens.values()))

@@ -36,6 +36,12 @@ _TOKENIZER_COPIES = 4
 # averages 3-5); and the tokens a word cut at that point may have more than when whole.
 _HEAD_CHARS_PER_TOKEN = 8
 _CUT_WORD_TOKENS = 64
+# apply_chat_template's own arguments: the service sets them, chat_template_kwargs does not.
+_TEMPLATE_ARGUMENTS = {
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+}
 
 
 class PromptChecker:
@@ -85,29 +91,34 @@ class PromptChecker:
             return request
         return request.model_copy(update=missing)
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
-        """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse."""
+    def prompt_token_ids(self, request: GenerateRequest, keep_last: int | None = None) -> list[int]:
+        """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse.
+        `keep_last`: vLLM's truncate_prompt_tokens, the prompt's last N tokens (-1: as many as fit)."""
         if request.use_beam_search:
             check_width("beam_width", request.beam_width, self.max_num_seqs)
         else:
             check_width("n", request.n, self.max_num_seqs)
-        self._check_token_ids("stop_token_ids", request.stop_token_ids or [])
+        for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            self._check_token_ids(field, list(getattr(request, field) or ()))
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             self._check_token_ids("prompt_token_ids", ids)
         elif request.messages is not None:
             ids = self.chat_token_ids([message.model_dump() for message in request.messages])
         else:
-            ids = self._encode(request.prompt)
+            ids = self._encode(request.prompt, whole=keep_last is not None)
+        if keep_last is not None:
+            ids = ids[-(self.token_limit if keep_last == -1 else keep_last):]
         self._check_length(len(ids), request.max_tokens)
         return ids
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, whole: bool = False) -> list[int]:
+        """`whole`: tokenized in full even when long (its end is kept), else refused by its beginning."""
         self._check_chars("prompt", len(text))
         try:
             with self.borrowed() as tokenizer:
                 head = _HEAD_CHARS_PER_TOKEN * self.token_limit
-                if len(text) > head:
+                if len(text) > head and not whole:
                     head_tokens = len(tokenizer.encode(text[:head]))
                     if head_tokens > self.token_limit + _CUT_WORD_TOKENS:
                         raise PromptTooLong(
@@ -118,15 +129,40 @@ class PromptChecker:
         except (TypeError, UnicodeError) as exc:  # schemas refuse lone surrogates; anything else the tokenizer refuses
             raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The messages through the checkpoint's chat template, as token ids."""
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       template_kwargs: dict | None = None) -> list[int]:
+        """The messages through the checkpoint's chat template, as token ids; `template_kwargs`:
+        vLLM's chat_template_kwargs, variables the template reads."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
+        # vLLM's rule: the request's own fields win; apply_chat_template's arguments given as
+        # template variables (add_generation_prompt, tokenize, ...) are dropped.
+        template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_ARGUMENTS}
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
         with self.borrowed() as tokenizer:
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            try:
+                encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=True, **template_kwargs)
+            except Exception as exc:  # jinja2's errors: the template refused these messages or variables
+                raise ValueError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
         # transformers 5 answers a BatchEncoding, earlier versions a list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's token ids, however many (POST /tokenize); bounded by characters only."""
+        self._check_chars("prompt", len(text))
+        with self.borrowed() as tokenizer:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, ids: list[int], field: str = "tokens") -> str:
+        self._check_token_ids(field, ids)
+        with self.borrowed() as tokenizer:
+            return tokenizer.decode(ids)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (vLLM's token_strs)."""
+        with self.borrowed() as tokenizer:
+            return tokenizer.convert_ids_to_tokens(ids)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's own text (a token that ends mid-character decodes to U+FFFD)."""

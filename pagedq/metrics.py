@@ -12,7 +12,9 @@ worker's loop only bumps plain numbers: metric families are built when scraped, 
 HTTP server's thread.
 
 The api (`ApiMetrics`, GET /metrics): requests by route and status, jobs submitted,
-batches created, and queue depths read from Redis at scrape time.
+batches created, queue depths read from Redis at scrape time, and every live worker's
+series, scraped then and summed across workers (`aggregate_workers`), so one scrape
+target shows the whole service as `vllm serve`'s /metrics shows its engines.
 
 Each process has its own registry (several apps may share a test process).
 """
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -251,9 +254,37 @@ class _QueueDepths(Collector):
         yield _queue_depth_family(self.read())
 
 
+def aggregate_workers(pages: list[str]) -> list[Metric]:
+    """Workers' /metrics pages as one: each series (name and labels) summed across workers,
+    as counters, histograms and counts of requests add up; fractions (kv_cache_usage_perc)
+    averaged, info gauges (value 1) kept once. The queue depths are left out: the api reads
+    them from Redis itself."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, list[float]]] = {}
+    for page in pages:
+        for family in text_string_to_metric_families(page):
+            if family.name == PREFIX + "queue_depth":
+                continue
+            families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                values.setdefault(family.name, {}).setdefault(key, []).append(sample.value)
+    for name, family in families.items():
+        for (sample_name, labels), numbers in values[name].items():
+            if name.endswith("_perc"):
+                value = sum(numbers) / len(numbers)
+            elif name.endswith("_info"):
+                value = max(numbers)
+            else:
+                value = sum(numbers)
+            family.add_sample(sample_name, dict(labels), value)
+    return list(families.values())
+
+
 class ApiMetrics:
-    def __init__(self, queue_depths: Callable[[], dict[str, int]]):
-        """`queue_depths`: reads each queue's length from Redis, at scrape time."""
+    def __init__(self, queue_depths: Callable[[], dict[str, int]], workers: Collector | None = None):
+        """`queue_depths`: reads each queue's length from Redis, at scrape time; `workers`:
+        the live workers' series, scraped at scrape time too."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             PREFIX + "api_requests", "HTTP requests answered, by route template, method and status.",
@@ -268,7 +299,10 @@ class ApiMetrics:
         )
         self.batches_created = Counter(PREFIX + "batches_created", "Batches created.", registry=self.registry)
         self.queue_depths = _QueueDepths(queue_depths)
+        self.workers = workers
         self.registry.register(self.queue_depths)
+        if workers is not None:
+            self.registry.register(workers)
 
     def exposition(self) -> bytes:
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -277,4 +311,6 @@ class ApiMetrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
         registry.register(self.queue_depths)
+        if self.workers is not None:
+            registry.register(self.workers)
         return generate_latest(registry)

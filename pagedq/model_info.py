@@ -90,10 +90,15 @@ def check_prompt_fits(prompt_tokens: int, max_tokens: int | None, max_model_len:
     max_model_len. The api passes the request's, as vLLM's OpenAI server does: a request
     that could not run to its max_tokens is refused before it is queued."""
     needed = prompt_tokens + (max_tokens or 1)
-    if needed > max_model_len:
-        # Without max_tokens, the one output token the prompt must leave room for.
-        output = f"max_tokens {max_tokens}" if max_tokens else "1 output token"
+    if needed <= max_model_len:
+        return
+    if max_tokens and prompt_tokens < max_model_len:
+        # The prompt fits: the request's max_tokens is what does not.
         raise PromptTooLong(
-            f"prompt: {prompt_tokens} tokens + {output} = {needed}, "
-            f"more than the model's context length of {max_model_len} (max_model_len)"
+            f"max_tokens: {max_tokens}, with a prompt of {prompt_tokens} tokens, is {needed} tokens, more than the "
+            f"model's context length of {max_model_len} (max_model_len); at most {max_model_len - prompt_tokens}"
         )
+    raise PromptTooLong(
+        f"prompt: {prompt_tokens} tokens; the model's context length is {max_model_len} (max_model_len), "
+        "which must hold the prompt and at least one output token"
+    )

@@ -89,11 +89,20 @@ def check_width(field: str, width: int, max_num_seqs: int) -> None:
         )
 
 
+def describe_error(field: str, message: str) -> str:
+    """"field: message" for one pydantic error. pydantic words a validator's ValueError
+    "Value error, <message>"; our messages start with the field they are about (a check of
+    a whole body names the field it refuses), which is all a client needs."""
+    message = message.removeprefix("Value error, ")
+    head, colon, _ = message.partition(":")
+    if not field or (colon and " " not in head and head.startswith(field)):
+        return message
+    return f"{field}: {message}"
+
+
 def describe_invalid(exc: ValueError) -> str:
     """One line naming each invalid field (pydantic's own message spans lines and links)."""
     if isinstance(exc, ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" if error["loc"] else error["msg"]
-            for error in exc.errors()
-        )
+        return "; ".join(describe_error(".".join(str(part) for part in error["loc"]), error["msg"])
+                         for error in exc.errors())
     return str(exc)

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedq.metrics import WorkerMetrics
+from pagedq.metrics import WorkerMetrics, aggregate_workers
 from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 # vLLM V1's metric names (vllm/v1/metrics/loggers.py, PrometheusStatLogger), without
@@ -79,3 +79,34 @@ def test_every_vllm_v1_metric_with_its_labels(prefix):
 def test_unknown_prefix_is_refused():
     with pytest.raises(ValueError, match="prefix"):
         WorkerMetrics(["q"], "m", 128, {}, prefix="tgi")
+
+
+def test_workers_pages_are_summed_into_one():
+    """The api's /metrics shows the workers' series summed across workers: counters and
+    histograms add, the KV cache's usage is the mean; the queue depth is the api's own."""
+    pages = []
+    for running, usage, tokens in ((2, 0.5, 7), (3, 0.25, 5)):
+        metrics = WorkerMetrics(["q"], "m", 64, {"block_size": "16"}, prefix="vllm")
+        metrics.observe_step({"num_running": running, "kv_cache_usage": usage, "generation_tokens": tokens})
+        metrics.observe_finished(finished_request(), enqueued_at=100.0, n=2, max_tokens=8)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(metrics)
+        pages.append(generate_latest(registry).decode())
+    registry = CollectorRegistry(auto_describe=False)
+
+    class Pages:
+        def collect(self):
+            return aggregate_workers(pages)
+
+    registry.register(Pages())
+    merged = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert merged[("vllm:num_requests_running", labels)] == 5
+    assert merged[("vllm:generation_tokens_total", labels)] == 12
+    assert merged[("vllm:kv_cache_usage_perc", labels)] == 0.375
+    assert merged[("vllm:e2e_request_latency_seconds_count", labels)] == 2
+    assert merged[("vllm:e2e_request_latency_seconds_bucket", tuple(sorted((*labels, ("le", "+Inf")))))] == 2
+    assert merged[("vllm:cache_config_info", (("block_size", "16"),))] == 1
+    assert merged[("pagedq:jobs_finished_total", ())] == 2
+    assert not any(name == "pagedq:queue_depth" for name, _ in merged)

@@ -167,16 +167,23 @@ def test_chat_uses_the_checkpoint_chat_template(service, client, model):
     [
         ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model", "The model `nope` does not exist"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
-        ("/v1/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, None, "best_of: not supported"),
-        ("/v1/completions", {"model": "M", "prompt": ["a", ""]}, 400, None, "every prompt must be non-empty"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "best_of": 3}, 400, "best_of", "best_of: not supported"),
+        ("/v1/completions", {"model": "M", "prompt": ["a", ""]}, 400, "prompt", "every prompt must be non-empty"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "suffixx": "x"}, 400, "suffixx", "Extra inputs"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal"),
-        ("/v1/completions", {"model": "M", "prompt": "hi " * 400, "max_tokens": 900}, 400, "prompt", "context length"),
+        ("/v1/completions", {"model": "M", "prompt": "hi " * 400, "max_tokens": 900}, 400, "max_tokens", "context length"),
+        ("/v1/completions", {"model": "M", "prompt": "hi " * 600}, 400, "prompt", "prompt and at least one output token"),
         ("/v1/completions", {"model": "M", "prompt": [1, 99999]}, 400, "prompt_token_ids", "[0, 512)"),
-        ("/v1/completions", {"model": "M", "prompt": "hi", "echo": True}, 400, None, "echo: not supported"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix: not supported"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", "[0, 512)"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "structured_outputs": {"regex": "[a-"}}, 400,
+         "structured_outputs", "structured_outputs.regex: Regex parsing error"),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integr"}}}}, 400,
+         "response_format.json_schema.schema", "Unsupported type"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
          "stream_options.usage", "Extra inputs"),
-        ("/v1/completions", {"prompt": "hi"}, 400, "model", "Field required"),
+        ("/v1/completions", {"model": "M"}, 400, "prompt", "Field required"),
         ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1"),
         ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
          "tools", "Extra inputs"),
@@ -192,9 +199,9 @@ def test_bad_requests_get_openai_shaped_errors(service, model, path, body, statu
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-    assert fragment in error["message"]
-    if param is not None:
-        assert error["param"] is not None and error["param"].startswith(param)
+    # Every message names its field first, never pydantic's "Value error, " (and `param` names it too).
+    assert fragment in error["message"] and "Value error" not in error["message"]
+    assert error["param"] is not None and error["param"].startswith(param)
 
 
 def test_openai_client_raises_its_own_errors_and_generate_keeps_its_shape(service, client, model):
@@ -202,8 +209,8 @@ def test_openai_client_raises_its_own_errors_and_generate_keeps_its_shape(servic
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert not_found.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="echo: not supported"):
-        client.completions.create(model=model.name, prompt="hi", echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix: not supported"):
+        client.completions.create(model=model.name, prompt="hi", suffix="!")
     malformed = httpx.post(f"{api.url}/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
     assert malformed.status_code == 400 and "malformed JSON" in malformed.json()["error"]["message"]
     # POST /generate still answers its own shape.
@@ -294,6 +301,10 @@ def test_metrics_parse_and_move_as_requests_run(service, client, model):
     submitted = ("pagedq:jobs_submitted_total", (("queue", QUEUE),))
     assert api_after[submitted] - api_before.get(submitted, 0) == 1
     assert ("pagedq:queue_depth", (("queue", f"{QUEUE}.batch"),)) in api_after
+    # The api's page carries the workers' series too (one worker here: its own numbers).
+    for series in (("pagedq:generation_tokens_total", vllm_labels), ("pagedq:jobs_finished_total", ()),
+                   ("pagedq:e2e_request_latency_seconds_count", vllm_labels)):
+        assert api_after[series] == after[series]
 
 
 def sse_payloads(response: httpx.Response) -> list:
@@ -417,3 +428,211 @@ def test_langchain_openai_batch_sends_a_prompt_list(service, model):
     expected = offline_greedy(model, [{"prompt": p, "max_tokens": 4, "temperature": 0} for p in prompts])
     tokenizer = AutoTokenizer.from_pretrained(model)
     assert answers == [tokenizer.decode(ids) for ids in expected]
+
+
+# ---- issue 28: vLLM's request fields, routes and stream timing ------------------------------
+
+CHOICES = ["red", "green", "blue"]
+
+
+def test_structured_outputs_and_response_format_shape_the_text(service, client, model):
+    """vLLM maps response_format json_object / json_schema to structured_outputs' json_object
+    / json, and takes structured_outputs (choice, regex, ...) in the body: the text follows."""
+    import json
+    import re
+
+    chosen = client.completions.create(model=model.name, prompt="Pick one", max_tokens=8, temperature=1.0, seed=3,
+                                       extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert chosen.choices[0].text in CHOICES
+    regex = client.chat.completions.create(
+        messages=[{"role": "user", "content": "A code"}], model=model.name, max_tokens=12, temperature=1.0, seed=3,
+        extra_body={"structured_outputs": {"regex": "[a-c]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[a-c]{2}-[0-9]{3}", regex.choices[0].message.content)
+    schema = {"type": "object", "properties": {"colour": {"enum": CHOICES}}, "required": ["colour"],
+              "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        messages=[{"role": "user", "content": "A colour"}], model=model.name, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "colour", "schema": schema, "strict": True}})
+    # Greedy, a random model may write the whitespace the grammar allows between tokens
+    # until max_tokens: without it, the text is (the start of) an object the schema allows.
+    compact = "".join(shaped.choices[0].message.content.split())
+    assert any(f'{{"colour":"{c}"}}'.startswith(compact) for c in CHOICES) and len(compact) > 1, compact
+    anything = client.completions.create(model=model.name, prompt="{", max_tokens=30, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert anything.choices[0].text.lstrip().startswith("{")
+
+
+def test_token_rules_and_return_token_ids(service, client, model):
+    """logit_bias (clamped to ±100, as vLLM), allowed_token_ids; return_token_ids puts the
+    prompt's and each choice's token ids in the response, as vLLM's does."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    biased = client.completions.create(model=model.name, prompt="Say it", max_tokens=5, logit_bias={"9": 500},
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    (choice,) = biased.choices
+    assert choice.token_ids == [9] * 5 and choice.prompt_token_ids == tokenizer.encode("Say it")
+    allowed = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], model=model.name, max_tokens=6, temperature=1.0,
+        extra_body={"allowed_token_ids": [7, 11], "ignore_eos": True, "return_token_ids": True})
+    assert set(allowed.choices[0].token_ids) <= {7, 11} and len(allowed.choices[0].token_ids) == 6
+    assert allowed.prompt_token_ids == list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_echo_truncation_and_beam_search(service, client, model):
+    """echo puts the prompt before the text (with logprobs, the prompt's own: the first
+    token has none, as vLLM's); truncate_prompt_tokens keeps the prompt's last N tokens;
+    use_beam_search answers the same beams as POST /generate's beam search."""
+    api, _ = service
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt = "The quick brown fox jumps"
+    prompt_ids = tokenizer.encode(prompt)
+    echoed = client.completions.create(model=model.name, prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                       echo=True, extra_body={"ignore_eos": True})
+    (choice,) = echoed.choices
+    assert choice.text.startswith(prompt) and len(choice.logprobs.tokens) == len(prompt_ids) + 3
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    assert choice.logprobs.text_offset[len(prompt_ids)] == len(tokenizer.decode(prompt_ids))
+    streamed = list(client.completions.create(model=model.name, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+    (expected,) = offline_greedy(model, [{"prompt_token_ids": prompt_ids[-3:], "max_tokens": 4, "temperature": 0,
+                                          "ignore_eos": True}])
+    truncated = client.completions.create(model=model.name, prompt=prompt, max_tokens=4, temperature=0, extra_body={
+        "truncate_prompt_tokens": 3, "ignore_eos": True, "return_token_ids": True})
+    assert truncated.usage.prompt_tokens == 3 and truncated.choices[0].prompt_token_ids == prompt_ids[-3:]
+    assert truncated.choices[0].token_ids == expected
+
+    beams = client.completions.create(model=model.name, prompt=prompt, max_tokens=4, n=2, temperature=0,
+                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+    native = httpx.post(f"{api.url}/generate", json={"prompt": prompt, "max_tokens": 4, "use_beam_search": True,
+                                                     "beam_width": 2, "ignore_eos": True}, timeout=30).json()
+    result = httpx.get(f"{api.url}/result/{native['seq_id']}", params={"wait": 30}, timeout=40).json()
+    assert [c.text for c in beams.choices] == [beam["text"] for beam in result["beams"]]
+    # As vLLM's, beam search ignores the sampling fields it does not read; a temperature it
+    # would sample with, pagedq's beam search cannot honour.
+    ignored = client.completions.create(model=model.name, prompt=prompt, max_tokens=4, n=2, top_p=0.5, seed=1,
+                                        extra_body={"use_beam_search": True, "ignore_eos": True, "top_k": 3})
+    assert [c.text for c in ignored.choices] == [c.text for c in beams.choices]
+    refused = httpx.post(f"{api.url}/v1/completions", json={"prompt": "x", "use_beam_search": True, "temperature": 0.5})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+
+
+def test_tokenize_detokenize_and_version_answer_as_vllm(service, model):
+    """vLLM's POST /tokenize (prompt or chat messages, chat_template_kwargs reaching the
+    template), POST /detokenize, GET /version; errors in OpenAI's shape, naming the field."""
+    api, _ = service
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokens = httpx.post(f"{api.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    ids = tokenizer.encode("Hello world")
+    max_model_len = httpx.get(f"{api.url}/v1/models").json()["data"][0]["max_model_len"]
+    assert tokens == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                      "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{api.url}/tokenize", json={"messages": messages, "chat_template_kwargs": {"bos_token": "<<"}}).json()
+    assert chat["tokens"] == list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                bos_token="<<")["input_ids"])
+    assert chat["tokens"] != httpx.post(f"{api.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert httpx.post(f"{api.url}/detokenize", json={"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    bad = httpx.post(f"{api.url}/detokenize", json={"model": model.name, "tokens": [1, 99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    for body, param in (({"prompt": 5}, "prompt"), ({"messages": messages, "prompt": "x"}, "prompt"),
+                        ({"messages": messages, "add_special_tokens": True}, "add_special_tokens")):
+        refused = httpx.post(f"{api.url}/tokenize", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    # vLLM ignores apply_chat_template's own arguments given as template variables.
+    reserved = httpx.post(f"{api.url}/tokenize", json={"messages": messages, "chat_template_kwargs": {
+        "tokenize": False, "add_generation_prompt": False}})
+    assert reserved.json()["tokens"] == httpx.post(f"{api.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert httpx.get(f"{api.url}/version").json()["version"]
+
+
+def test_responses_api_streamed_or_not_with_the_openai_client(service, client, model):
+    """POST /v1/responses: instructions and input become the chat conversation; the same
+    text as the chat completion, and streamed as the Responses API's events."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model.name, messages=messages, max_tokens=6, temperature=0)
+    response = client.responses.create(model=model.name, instructions="Be brief.", input="Name a colour.",
+                                       max_output_tokens=6, temperature=0)
+    assert response.output_text == chat.choices[0].message.content and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    listed = client.responses.create(model=model.name, input=[{"role": "user", "content": "Name a colour."}],
+                                     max_output_tokens=6, temperature=0)
+    assert listed.output_text  # the same conversation without the system message
+
+    events = list(client.responses.create(model=model.name, instructions="Be brief.", input="Name a colour.",
+                                          max_output_tokens=6, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    # vLLM ends the stream with response.completed, its status "incomplete" when max_output_tokens cut it.
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert events[-1].response.status == "incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert events[-1].response.output_text == response.output_text and events[-1].response.usage.output_tokens == 6
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # text.format is response_format's json_schema, flat: the same constrained text as chat's;
+    # the response repeats it as sent.
+    schema = {"type": "object", "properties": {"colour": {"enum": CHOICES}}, "required": ["colour"]}
+    shaped = client.responses.create(model=model.name, input="A colour as JSON", max_output_tokens=20, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    as_chat = client.chat.completions.create(
+        model=model.name, messages=[{"role": "user", "content": "A colour as JSON"}], max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert shaped.output_text == as_chat.choices[0].message.content and shaped.output_text.lstrip().startswith("{")
+    assert shaped.text.format.schema_ == schema
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model=model.name, input="hi", previous_response_id="resp_1")
+
+
+def test_chat_stream_sends_its_role_with_the_first_output_and_usage_only_when_asked(model, service, tmp_path):
+    """vLLM sends chat's role chunk with the first output: on a queue no worker serves,
+    the stream has nothing to say yet (a role sent at once would make a benchmark's TTFT
+    the queueing time). include_usage is false unless sent, as vLLM's."""
+    api, _ = service
+    settings = service_settings(model, api.settings.redis_url, tmp_path, queue_name="no-worker-stream")
+    lonely = ApiServer(settings).start()
+    body = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}
+    try:
+        with httpx.Client(timeout=httpx.Timeout(30, read=1.5)) as http, \
+                http.stream("POST", f"{lonely.url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                next(response.iter_raw())
+    finally:
+        lonely.stop()
+    for options in ({}, {"continuous_usage_stats": True}):
+        chunks = sse_payloads(httpx.post(f"{api.url}/v1/chat/completions", json={**body, "stream_options": options},
+                                         timeout=60))
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(c["choices"] and c["usage"] is None for c in chunks)
+
+
+def test_answers_follow_the_documented_response_models(service, model):
+    """api.docs describes the answers the routes build themselves: real answers validate
+    against those models (extra fields forbidden), so the documentation cannot drift."""
+    from api.docs import ChatCompletionResponse, CompletionResponse, ModelList
+
+    api, _ = service
+    common = {"model": model.name, "max_tokens": 3, "logprobs": 1, "return_token_ids": True, "prompt_logprobs": 2}
+    completion = CompletionResponse.model_validate(httpx.post(
+        f"{api.url}/v1/completions", json={**common, "prompt": "Hi there you"}, timeout=30).json())
+    chat = {**common, "logprobs": True, "top_logprobs": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    answer = ChatCompletionResponse.model_validate(httpx.post(f"{api.url}/v1/chat/completions", json=chat,
+                                                              timeout=30).json())
+    # vLLM's prompt_logprobs: None for the first prompt token, then the prompt's own token
+    # and the top 2 (ranks 1, 2; the own token's rank unknown when it is not among them).
+    for steps, prompt_ids in ((completion.choices[0].prompt_logprobs, completion.choices[0].prompt_token_ids),
+                              (answer.prompt_logprobs, answer.prompt_token_ids)):
+        assert steps[0] is None and len(steps) == len(prompt_ids)
+        for step, token_id in zip(steps[1:], prompt_ids[1:]):
+            assert next(iter(step)) == str(token_id)  # vLLM lists the prompt's own token first
+            assert sorted(e.rank for e in step.values() if e.rank is not None) == [1, 2]
+            assert len(step) == 2 or step[str(token_id)].rank is None
+    refused = httpx.post(f"{api.url}/v1/completions", json={**common, "prompt": "x", "return_token_ids": False,
+                                                           "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    ModelList.model_validate(httpx.get(f"{api.url}/v1/models").json())

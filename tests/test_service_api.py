@@ -202,6 +202,34 @@ def test_docs_load_only_local_assets_and_offer_bearer_auth(api):
         assert {"HTTPBearer": []} in schema["paths"][path][method]["security"], path
 
 
+def test_docs_render_in_a_browser_for_users_with_typed_examples(api, tmp_path):
+    """/redoc and /docs as a user's browser shows them (headless Chromium runs their
+    scripts): an introduction for users, not developer notes, and every route's response
+    typed with an example (Redoc's sample for GET /v1/models once was `{}`)."""
+    schema = httpx.get(f"{api.url}/openapi.json", timeout=10).json()
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            ok = next(response for code, response in operation["responses"].items() if code.startswith("2"))
+            assert operation.get("description"), (method, path)
+            assert any("example" in media or "examples" in media for media in ok["content"].values()), (method, path)
+            typed = ok["content"].get("application/json", {}).get("schema", {})
+            assert "application/json" not in ok["content"] or "$ref" in typed or "properties" in typed, (method, path)
+    chromium = next((found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))),
+                    None)
+    if chromium is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium)")
+    # Redoc shows every response sample (the model list's carries max_model_len); Swagger UI
+    # lists the routes by their summaries.
+    for page, rendered in (("/redoc", "max_model_len"), ("/docs", "Create a completion")):
+        dom = subprocess.run(
+            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / page[1:]}",
+             "--virtual-time-budget=15000", "--dump-dom", f"{api.url}{page}"],
+            capture_output=True, text=True, timeout=90).stdout
+        assert rendered in dom and "Two ways in" in dom, page
+        for developer_note in ("create_app", "native_routes.py", "openai_compat.py"):
+            assert developer_note not in dom, (page, developer_note)
+
+
 def test_cancel_a_queued_job(client, redis_server):
     seq_id = client.post("/generate", json={"prompt": "cancel me"}).json()["seq_id"]
     queue = Queue("api-tests", connection=Redis.from_url(redis_server.url), serializer=JSONSerializer)
