@@ -1,0 +1,107 @@
+"""JSON values in text that may stop anywhere (a streamed output so far).
+
+Only positions are computed: where a value ends, or None while the text ends inside it.
+A call's arguments are then a slice of the model's own text, so the arguments streamed so
+far are always a prefix of the final ones (re-serializing a partial object would not be).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+_WHITESPACE = " \t\n\r"
+_CLOSERS = {"{": "}", "[": "]"}
+
+
+def skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WHITESPACE:
+        i += 1
+    return i
+
+
+def value_end(text: str, i: int) -> int | None:
+    """The end (exclusive) of the JSON value starting at text[i], or None if the text ends
+    first. Only nesting, strings and escapes are followed: json.loads judges validity."""
+    if i >= len(text):
+        return None
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in _CLOSERS:
+        # A number or literal ends at a delimiter; at the end of the text it may go on.
+        j = i
+        while j < len(text) and text[j] not in ",}]" + _WHITESPACE:
+            j += 1
+        return j if j < len(text) else None
+    depth, j = 0, i
+    while j < len(text):
+        char = text[j]
+        if char == '"':
+            end = _string_end(text, j)
+            if end is None:
+                return None
+            j = end
+            continue
+        if char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def _string_end(text: str, i: int) -> int | None:
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def members(text: str, i: int) -> Iterator[tuple[str, int, int | None]]:
+    """(key, value start, value end or None) of the object starting at text[i] == "{", as
+    far as the text goes; stops at the object's end, at text that is not an object
+    member, or at a value the text ends inside."""
+    j = skip_space(text, i + 1)
+    while j < len(text) and text[j] == '"':
+        key_end = _string_end(text, j)
+        if key_end is None:
+            return
+        try:
+            key = json.loads(text[j:key_end])
+        except ValueError:
+            return
+        j = skip_space(text, key_end)
+        if j >= len(text) or text[j] != ":":
+            return
+        start = skip_space(text, j + 1)
+        if start >= len(text):
+            return
+        end = value_end(text, start)
+        yield key, start, end
+        if end is None:
+            return
+        j = skip_space(text, end)
+        if j >= len(text) or text[j] != ",":
+            return
+        j = skip_space(text, j + 1)
+
+
+def elements(text: str, i: int) -> Iterator[tuple[int, int | None]]:
+    """(start, end or None) of each value of the array starting at text[i] == "[", as far as the text goes."""
+    j = skip_space(text, i + 1)
+    while j < len(text) and text[j] != "]":
+        end = value_end(text, j)
+        yield j, end
+        if end is None:
+            return
+        j = skip_space(text, end)
+        if j >= len(text) or text[j] != ",":
+            return
+        j = skip_space(text, j + 1)

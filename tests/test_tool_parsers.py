@@ -1,0 +1,150 @@
+"""Tool-call parsing (api/tool_calls) on fixed model texts of each family, finished and
+streamed, and the tool_choice rules, without a service. The texts are what the families'
+chat templates teach their models to write (vLLM's parsers read the same)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api.tool_calls import parsers
+from api.tool_calls.choice import ToolPlan, plan
+from api.tool_calls.deltas import OutputDeltas
+from api.tool_calls.schemas import NamedToolChoice, Tool
+
+WEATHER = {"city": "Paris", "unit": "celsius", "note": "a \"quoted\" } brace, [ and \\ backslash"}
+WEATHER_TEXT = json.dumps(WEATHER)
+
+# (parser, model text, content, [(name, arguments)])
+FAMILIES = [
+    ("hermes", f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_TEXT}}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "Let me look.\n", [("get_weather", WEATHER_TEXT), ("get_time", "{}")]),
+    ("hermes", "No tool needed: 4 < 5.", "No tool needed: 4 < 5.", []),
+    ("llama3_json", f'{{"name": "get_weather", "parameters": {WEATHER_TEXT}}}', None, [("get_weather", WEATHER_TEXT)]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": [2]}}',
+     None, [("a", '{"x": 1}'), ("b", '{"y": [2]}')]),
+    ("llama3_json", "It is {sunny} today.", "It is {sunny} today.", []),
+    ("mistral", f'Checking.[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER_TEXT}}}, '
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+     "Checking.", [("get_weather", WEATHER_TEXT), ("get_time", '{"zone": "UTC"}')]),
+    ("mistral", f'[TOOL_CALLS]get_weather[ARGS]{WEATHER_TEXT}[TOOL_CALLS]get_time{{"zone": "CET"}}',
+     None, [("get_weather", WEATHER_TEXT), ("get_time", '{"zone": "CET"}')]),
+]
+
+
+def auto(parser: str) -> ToolPlan:
+    return plan([Tool.model_validate({"type": "function", "function": {"name": "f"}})], "auto", parser)
+
+
+def streamed(tool_plan: ToolPlan, text: str, step: int) -> tuple[str | None, list[dict], str | None]:
+    """The text fed `step` characters at a time, its deltas put together as an OpenAI client does."""
+    output = OutputDeltas(tool_plan)
+    content, calls = None, []
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    for number, piece in enumerate(pieces, 1):
+        delta = output.delta(piece, final=number == len(pieces))
+        if "content" in delta:
+            content = (content or "") + delta["content"]
+        for call in delta.get("tool_calls", []):
+            if call["index"] == len(calls):
+                assert call["id"] and call["type"] == "function" and call["function"]["name"]
+                calls.append({"id": call["id"], "name": call["function"]["name"], "arguments": ""})
+            assert set(call) <= {"index", "id", "type", "function"}
+            calls[call["index"]]["arguments"] += call["function"].get("arguments", "")
+    return content, calls, output.finish_reason("stop")
+
+
+@pytest.mark.parametrize("parser, text, content, calls", FAMILIES)
+def test_each_family_finished_and_streamed_in_any_pieces(parser, text, content, calls):
+    tool_plan = auto(parser)
+    message, finish_reason = tool_plan.message(text, "stop")
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    assert finish_reason == ("tool_calls" if calls else "stop")
+    for step in (1, 3, 7, len(text)):
+        streamed_content, streamed_calls, streamed_finish = streamed(tool_plan, text, step)
+        assert (streamed_content, [(c["name"], c["arguments"]) for c in streamed_calls]) == (content, calls), step
+        assert streamed_finish == finish_reason
+
+
+def test_a_marker_split_across_pieces_never_leaks_into_content():
+    tool_plan = auto("hermes")
+    output = OutputDeltas(tool_plan)
+    assert output.delta("Sure<tool_", final=False) == {"content": "Sure"}
+    assert output.delta("cal", final=False) == {}
+    (call,) = output.delta('l>{"name": "f", "arguments": {"a"', final=False)["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a"'} and call["id"].startswith("chatcmpl-tool-")
+    assert output.delta(": 1}}</tool_call>", final=True) == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
+    # Text that only looked like a marker's start is content once it cannot be one.
+    assert OutputDeltas(tool_plan).delta("a <tool", final=True) == {"content": "a <tool"}
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }</tool_call>'),  # not JSON
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1'),  # cut off (finish_reason length)
+    ("llama3_json", '{"parameters": {"a": 1}}'),  # no name
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": [1, 2]}]'),  # arguments not an object
+])
+def test_malformed_calls_leave_the_whole_text_as_content_as_vllm(parser, text):
+    message, finish_reason = auto(parser).message(text, "length")
+    assert message == {"role": "assistant", "content": text} and finish_reason == "length"
+
+
+def test_forced_shapes_named_and_required():
+    named = parsers.named("get_time")
+    assert named('{"zone": "UTC"}', True).calls[0].arguments == '{"zone": "UTC"}'
+    text = '[{"name": "a", "parameters": {"x": "]"}}, {"name": "b", "parameters": {}}]'
+    assert [(c.name, c.arguments) for c in parsers.required(text, True).calls] == [("a", '{"x": "]"}'), ("b", "{}")]
+    # Partway: the first call's arguments so far, the second not named yet.
+    partial = parsers.required(text[:text.index('"b"')], False).calls
+    assert [(c.name, c.arguments) for c in partial] == [("a", '{"x": "]"}'), (None, "")]
+
+
+def tools(*specs: dict) -> list[Tool]:
+    return [Tool.model_validate({"type": "function", "function": spec}) for spec in specs]
+
+
+def test_required_schema_is_vllms_array_of_calls_with_defs_gathered():
+    place = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}},
+             "$defs": {"Place": {"type": "string", "enum": ["home", "work"]}}}
+    forced = plan(tools({"name": "go", "parameters": place}, {"name": "stop"}), "required", None)
+    schema = forced.structured_outputs.json_schema
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["$defs"] == place["$defs"]
+    go, stop = schema["items"]["anyOf"]
+    assert go["properties"]["name"] == {"type": "string", "enum": ["go"]} and "$defs" not in go["properties"]["parameters"]
+    assert stop["properties"]["parameters"] == {"type": "object", "properties": {}}  # no parameters: an empty object
+    assert go["required"] == ["name", "parameters"]
+    clash = {**place, "$defs": {"Place": {"type": "integer"}}}
+    with pytest.raises(ValueError, match=r"^tools: .*\$defs\.Place"):
+        plan(tools({"name": "go", "parameters": place}, {"name": "run", "parameters": clash}), "required", None)
+
+
+def test_named_choice_is_forced_by_the_functions_parameters():
+    params = {"type": "object", "properties": {"zone": {"type": "string"}}}
+    forced = plan(tools({"name": "a"}, {"name": "b", "parameters": params}),
+                  NamedToolChoice.model_validate({"type": "function", "function": {"name": "b"}}), None)
+    assert forced.structured_outputs.json_schema == params and forced.finish_reason("stop", True) == "stop"
+
+
+@pytest.mark.parametrize("tool_specs, choice, parser, field", [
+    ([], "required", None, "tool_choice"),
+    ([{"name": "f"}], "auto", None, "tool_choice"),
+    ([{"name": "f"}], None, None, "tool_choice"),  # tools alone mean "auto"
+    ([{"name": "f"}], {"type": "function", "function": {"name": "g"}}, "hermes", "tool_choice.function.name"),
+    ([{"name": "f"}, {"name": "g", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}],
+     "required", None, "tools[1].function.parameters"),
+])
+def test_what_cannot_be_served_names_its_field(tool_specs, choice, parser, field):
+    if isinstance(choice, dict):
+        choice = NamedToolChoice.model_validate(choice)
+    with pytest.raises(ValueError) as caught:
+        plan(tools(*tool_specs), choice, parser)
+    assert str(caught.value).startswith(field + ": ")
+
+
+def test_no_plan_without_tools_or_with_none_and_mistral_ids_fit_its_templates():
+    assert plan(None, None, "hermes") is None and plan(tools({"name": "f"}), "none", None) is None
+    tool_id = auto("mistral").new_id()
+    assert len(tool_id) == 9 and tool_id.isalnum()
