@@ -32,6 +32,8 @@ from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
+from api.tool_calls import choice as tool_choice
+from api.tool_calls.deltas import OutputDeltas
 from pagedq.protocol import GenerateRequest, GenerationResult
 from pagedq.redis_schema import TERMINAL, JobState
 from pagedq.settings import Settings
@@ -65,6 +67,8 @@ class OpenAITranslator:
         model = settings.require_model()
         self.model_names = {self.model_id, model, str(Path(model).resolve())}
         self.created = int(time.time())
+        # vLLM's --enable-auto-tool-choice --tool-call-parser: who parses tool_choice "auto".
+        self.auto_tool_parser = settings.tool_call_parser if settings.enable_auto_tool_choice else None
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pagedq",
@@ -88,8 +92,11 @@ class OpenAITranslator:
         self.check_model(body.model)
         try:
             if endpoint == CHAT:
+                tools = self.tool_plan(body)
                 messages = [message.template_dict() for message in body.messages]
-                requests = body.generate_requests(self.checker.chat_token_ids(messages, body.add_generation_prompt))
+                functions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+                prompt = self.checker.chat_token_ids(messages, body.add_generation_prompt, functions)
+                requests = body.generate_requests(prompt, tools.sampling_overrides if tools else None)
             else:
                 requests = body.generate_requests()
             return [(self.checker.with_generation_defaults(request), self.checker.prompt_token_ids(request))
@@ -99,13 +106,23 @@ class OpenAITranslator:
         except ValueError as exc:
             raise ApiError(400, str(exc), param=_param(str(exc))) from None
 
+    def tool_plan(self, body: OpenAIRequest) -> tool_choice.ToolPlan | None:
+        """What a chat body's tools ask for (None: plain content); ApiError(400) naming the field."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            return tool_choice.plan(body.tools, body.tool_choice, self.auto_tool_parser)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=_param(str(exc))) from None
+
     # ---- responses ----------------------------------------------------------------------
 
-    def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None) -> dict:
+    def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None,
+                 tools: tool_choice.ToolPlan | None = None) -> dict:
         """OpenAI's response body for finished jobs (one per prompt): a choice per output,
         indexed as OpenAI does (prompt by prompt, each prompt's n outputs in turn); usage
         summed. `top_logprobs`: the jobs' SamplingParams.logprobs (chat lists that many
-        alternatives per token)."""
+        alternatives per token); `tools`: the chat request's ToolPlan (its text parsed into calls)."""
         created = int(results[0].timings.enqueued or time.time())
         usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
         indexed = [(offset + output.index, output) for offset, result in zip(_choice_offsets(results), results)
@@ -118,13 +135,16 @@ class OpenAITranslator:
             ]
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
-        choices = [
-            {"index": index, "message": {"role": "assistant", "content": output.text},
-             "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
-             if top_logprobs is not None else None,
-             "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-            for index, output in indexed
-        ]
+        choices = []
+        for index, output in indexed:
+            message, finish_reason = ({"role": "assistant", "content": output.text}, output.finish_reason) if tools is None \
+                else tools.message(output.text, output.finish_reason)
+            choices.append({
+                "index": index, "message": message,
+                "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
+                if top_logprobs is not None else None,
+                "finish_reason": finish_reason, "stop_reason": output.stop_reason,
+            })
         return {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
                 "choices": choices, "usage": usage}
 
@@ -212,6 +232,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
+    tools = translator.tool_plan(body)
 
     def submit() -> list[_Job]:
         """One job per prompt; should one not be queued, those queued before it are canceled."""
@@ -232,7 +253,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
         raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage),
+            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, tools),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     deadline = time.monotonic() + settings.completion_timeout_s
@@ -259,7 +280,7 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
         if result is None:
             raise ApiError(409, f"job {job.seq_id} was {state or 'deleted'} before it finished", code="canceled")
         results.append(result)
-    return JSONResponse(translator.response(endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs))
+    return JSONResponse(translator.response(endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs, tools))
 
 
 @dataclass
@@ -313,20 +334,30 @@ class _StreamError(Exception):
 
 
 async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], include_usage: bool,
-                  continuous_usage: bool) -> AsyncIterator[str]:
+                  continuous_usage: bool, tools: tool_choice.ToolPlan | None) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks (a choice per output, numbered across the jobs of
     a prompt list), then the usage chunk if asked for, then `data: [DONE]`. Every chunk
-    carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far."""
+    carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far.
+    With `tools` (a chat request's ToolPlan) each output's text goes out as content and
+    tool-call deltas; a chunk with nothing to say yet is left out."""
     translator = _translator(request)
     chat = endpoint == CHAT
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].seq_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": translator.model_id}
 
+    tool_deltas: dict[tuple[str, int], OutputDeltas] = {}
+
     def chunk(job: _Job, index: int, text: str | None, completion_tokens: int, logprobs: dict | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None, role: bool = False) -> str:
         if chat:
             delta = {} if text is None else {"content": text}
+            if tools is not None and not role:
+                output = tool_deltas.setdefault((job.seq_id, index), OutputDeltas(tools))
+                delta = output.delta(text or "", final=finish_reason is not None)
+                finish_reason = output.finish_reason(finish_reason)
+                if not (delta or logprobs or finish_reason):
+                    return ""
             choice = {"index": job.first_choice + index, "delta": {"role": "assistant", **delta} if role else delta}
         else:
             choice = {"index": job.first_choice + index, "text": text or ""}

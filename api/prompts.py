@@ -16,6 +16,8 @@ import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from jinja2 import TemplateError
+
 from pagedq.model_info import (
     PromptTooLong,
     check_prompt_fits,
@@ -118,13 +120,19 @@ class PromptChecker:
         except (TypeError, UnicodeError) as exc:  # schemas refuse lone surrogates; anything else the tokenizer refuses
             raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The messages through the checkpoint's chat template, as token ids."""
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
+        """The messages (and the tools they may call, in OpenAI's shape) through the
+        checkpoint's chat template, as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
         with self.borrowed() as tokenizer:
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            try:
+                encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                        tokenize=True)
+            except TemplateError as exc:  # templates raise on what they cannot render (Mistral's on turn order, ids)
+                raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
         # transformers 5 answers a BatchEncoding, earlier versions a list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 

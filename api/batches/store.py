@@ -329,6 +329,9 @@ class BatchStore:
             body = self.translator.parse(record.endpoint, line["body"])
             if body.stream:
                 raise ApiError(400, "stream: not available in a batch", param="stream")
+            if getattr(body, "tools", None):
+                # A line's output is built from its job alone, which does not keep how to parse the calls.
+                raise ApiError(400, "tools: not available in a batch", param="tools")
             prepared = self.translator.prepare(record.endpoint, body)
             if len(prepared) != 1:
                 raise ApiError(400, f"prompt: one prompt per batch line, got {len(prepared)}", param="prompt")
