@@ -232,7 +232,8 @@ async def _serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, call
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
-    tools = translator.tool_plan(body)
+    # Off the event loop: a forced tool choice's schema is compiled (and xgrammar may still be loading).
+    tools = await blocking(request, translator.tool_plan, body)
 
     def submit() -> list[_Job]:
         """One job per prompt; should one not be queued, those queued before it are canceled."""

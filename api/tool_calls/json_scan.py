@@ -85,12 +85,8 @@ def members(text: str, i: int) -> Iterator[tuple[str, int, int | None]]:
             return
         end = value_end(text, start)
         yield key, start, end
-        if end is None:
+        if (j := _next_item(text, end)) is None:
             return
-        j = skip_space(text, end)
-        if j >= len(text) or text[j] != ",":
-            return
-        j = skip_space(text, j + 1)
 
 
 def elements(text: str, i: int) -> Iterator[tuple[int, int | None]]:
@@ -99,9 +95,16 @@ def elements(text: str, i: int) -> Iterator[tuple[int, int | None]]:
     while j < len(text) and text[j] != "]":
         end = value_end(text, j)
         yield j, end
-        if end is None:
+        if (j := _next_item(text, end)) is None:
             return
-        j = skip_space(text, end)
-        if j >= len(text) or text[j] != ",":
-            return
-        j = skip_space(text, j + 1)
+
+
+def _next_item(text: str, end: int | None) -> int | None:
+    """Where the next member or element starts after a value ending at `end`; None when the
+    value is unfinished, or no comma follows (the object or array ends, or the text does)."""
+    if end is None:
+        return None
+    j = skip_space(text, end)
+    if j >= len(text) or text[j] != ",":
+        return None
+    return skip_space(text, j + 1)
