@@ -110,7 +110,7 @@ def test_required_schema_is_vllms_array_of_calls_with_defs_gathered():
     place = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}},
              "$defs": {"Place": {"type": "string", "enum": ["home", "work"]}}}
     forced = plan(tools({"name": "go", "parameters": place}, {"name": "stop"}), "required", None)
-    schema = forced.structured_outputs.json_schema
+    schema = forced.sampling_overrides["structured_outputs"].json_schema
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["$defs"] == place["$defs"]
     go, stop = schema["items"]["anyOf"]
     assert go["properties"]["name"] == {"type": "string", "enum": ["go"]} and "$defs" not in go["properties"]["parameters"]
@@ -125,7 +125,7 @@ def test_named_choice_is_forced_by_the_functions_parameters():
     params = {"type": "object", "properties": {"zone": {"type": "string"}}}
     forced = plan(tools({"name": "a"}, {"name": "b", "parameters": params}),
                   NamedToolChoice.model_validate({"type": "function", "function": {"name": "b"}}), None)
-    assert forced.structured_outputs.json_schema == params and forced.finish_reason("stop", True) == "stop"
+    assert forced.sampling_overrides["structured_outputs"].json_schema == params and forced.finish_reason("stop", True) == "stop"
 
 
 @pytest.mark.parametrize("tool_specs, choice, parser, field", [
@@ -144,7 +144,10 @@ def test_what_cannot_be_served_names_its_field(tool_specs, choice, parser, field
     assert str(caught.value).startswith(field + ": ")
 
 
-def test_no_plan_without_tools_or_with_none_and_mistral_ids_fit_its_templates():
+def test_no_plan_without_tools_or_with_none_and_each_familys_vllm_settings():
     assert plan(None, None, "hermes") is None and plan(tools({"name": "f"}), "none", None) is None
     tool_id = auto("mistral").new_id()
-    assert len(tool_id) == 9 and tool_id.isalnum()
+    assert len(tool_id) == 9 and tool_id.isalnum()  # Mistral's templates refuse other ids
+    # vLLM's hermes and mistral parsers read the text with special tokens kept; its llama3_json parser does not.
+    assert auto("hermes").sampling_overrides == auto("mistral").sampling_overrides == {"skip_special_tokens": False}
+    assert auto("llama3_json").sampling_overrides == {}

@@ -24,6 +24,9 @@ from pagedq.structured_outputs_params import StructuredOutputsParams
 # A function without parameters takes an empty object (vLLM's default).
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 _ALPHANUMERIC = string.ascii_letters + string.digits
+# The parsers that read the text with special tokens kept (vLLM's hermes and mistral parsers
+# ask for it: [TOOL_CALLS] and some tokenizers' <tool_call> are special tokens).
+_KEEP_SPECIAL_TOKENS = {"hermes", "mistral"}
 
 
 @dataclass(frozen=True)
@@ -33,16 +36,8 @@ class ToolPlan:
     # function keeps the engine's reason ("stop"), as vLLM and OpenAI answer.
     calls_finish: bool
     new_id: Callable[[], str]
-    # The shape forcing the calls, or None when the model calls tools by itself.
-    structured_outputs: StructuredOutputsParams | None = None
-
-    @property
-    def sampling_overrides(self) -> dict:
-        if self.structured_outputs is not None:
-            return {"structured_outputs": self.structured_outputs}
-        # Tool-call markers are special tokens in some families (Mistral's [TOOL_CALLS],
-        # Llama's <|python_tag|>): kept in the text the parser reads, as vLLM's parsers ask.
-        return {"skip_special_tokens": False}
+    # What the request's sampling must be: the shape forcing the calls, or the text kept whole for the parser.
+    sampling_overrides: dict
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         return "tool_calls" if called and self.calls_finish and reason == "stop" else reason
@@ -72,7 +67,8 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, auto_parser: str |
         if auto_parser is None:
             raise ValueError('tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                              "to be set (pagedq api / pagedq up flags); or name a function, or use \"required\"")
-        return ToolPlan(parsers.FAMILIES[auto_parser], True, new_id)
+        overrides = {"skip_special_tokens": False} if auto_parser in _KEEP_SPECIAL_TOKENS else {}
+        return ToolPlan(parsers.FAMILIES[auto_parser], True, new_id, overrides)
     if isinstance(choice, NamedToolChoice):
         index = next((i for i, tool in enumerate(tools) if tool.function.name == choice.function.name), None)
         if index is None:
@@ -95,8 +91,8 @@ def _parameters(tools: list[Tool], index: int) -> dict[str, Any]:
     return schema
 
 
-def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=schema)
+def _forced(schema: dict[str, Any]) -> dict:
+    return {"structured_outputs": StructuredOutputsParams(json=schema)}
 
 
 def _required_schema(tools: list[Tool], schemas: list[dict[str, Any]]) -> dict[str, Any]:
