@@ -17,7 +17,7 @@ from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
 from pagedq.redis_server import RedisServer
-from tests.service_helpers import ApiServer, WorkerProcess, service_settings, wait_for_worker
+from tests.service_helpers import ApiServer, WorkerProcess, service_settings, wait_for_worker, wait_until
 
 pytestmark = pytest.mark.slow
 QUEUE = "tools"
@@ -56,7 +56,7 @@ def service(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir()
     tmp = tmp_path_factory.mktemp("tools")
     redis_server = RedisServer(tmp / "redis").start()
-    settings = service_settings(model, redis_server.url, tmp, queue_name=QUEUE)
+    settings = service_settings(model, redis_server.url, tmp, queue_name=QUEUE, batch_poll_interval_s=0.2)
     worker = WorkerProcess(settings, tmp / "worker.log")
     plain = ApiServer(settings).start()
     auto = ApiServer(settings.with_overrides(port=service_settings(model, redis_server.url, tmp).port,
@@ -174,6 +174,17 @@ def test_bad_tools_are_a_400_naming_the_field(service):
                               json={"model": model.name, "messages": ASK, "max_tokens": 4, **fields})
         assert response.status_code == 400, (fields, response.text)
         assert response.json()["error"]["param"] == param, response.text
+
+    # A batch line's output is built from its job alone, which does not keep how to read calls: refused.
+    client = client_of(plain)
+    line = {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model.name, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}}
+    uploaded = client.files.create(file=("lines.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b, 30,
+                       "the batch to end", interval_s=0.1)
+    (error,) = [json.loads(text) for text in client.files.content(batch.error_file_id).content.splitlines()]
+    assert error["response"]["status_code"] == 400 and error["response"]["body"]["error"]["param"] == "tools"
 
 
 def test_langchain_bind_tools_and_structured_output(service):
