@@ -151,3 +151,42 @@ def test_no_plan_without_tools_or_with_none_and_each_familys_vllm_settings():
     # vLLM's hermes and mistral parsers read the text with special tokens kept; its llama3_json parser does not.
     assert auto("hermes").sampling_overrides == auto("mistral").sampling_overrides == {"skip_special_tokens": False}
     assert auto("llama3_json").sampling_overrides == {}
+
+
+# A Mistral-like template: the tools and each call (arguments as an object, as vLLM gives
+# templates) are written out, and a call id that is not 9 characters is refused, as Mistral's are.
+TOOL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for message in messages %}{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}[TOOL_CALLS]{{ call.function.name }}{{ call.function.arguments | tojson }}{% endfor %}"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.tool_call_id }}:{{ message.content }}[/TOOL_RESULTS]"
+    "{% else %}{{ message.role }}: {{ message.content }}\n{% endif %}{% endfor %}"
+)
+
+
+def test_tools_and_an_agent_loops_turns_reach_the_chat_template(tiny_model_dir, tmp_path):
+    import shutil
+
+    from api.openai_schemas import ChatMessage
+    from api.prompts import PromptChecker
+    from pagedq.settings import Settings
+
+    model = shutil.copytree(tiny_model_dir(), tmp_path / "model")
+    (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    checker = PromptChecker(Settings(model=str(model)))
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+    def rendered(call_id: str) -> str:
+        turns = [{"role": "user", "content": "time?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": "12:00"}]
+        messages = [ChatMessage.model_validate(turn).template_dict() for turn in turns]
+        return checker.tokenizer.decode(checker.chat_token_ids(messages, False, [tool]))
+
+    text = rendered("abcDEF123")
+    assert '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_time"' in text
+    assert '[TOOL_CALLS]get_time{"zone": "UTC"}' in text and "[TOOL_RESULTS]abcDEF123:12:00" in text
+    with pytest.raises(ValueError, match="^messages: the model's chat template refused them: Tool call IDs"):
+        rendered("chatcmpl-tool-1")
