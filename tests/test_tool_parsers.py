@@ -13,7 +13,7 @@ from api.tool_calls.choice import ToolPlan, plan
 from api.tool_calls.deltas import OutputDeltas
 from api.tool_calls.schemas import NamedToolChoice, Tool
 
-WEATHER = {"city": "Paris", "unit": "celsius", "note": "a \"quoted\" } brace, [ and \\ backslash"}
+WEATHER = {"city": "Paris", "unit": "celsius", "note": "a \"quoted\" } brace, [ and \\ backslash", "dir": "C:\\"}
 WEATHER_TEXT = json.dumps(WEATHER)
 
 # (parser, model text, content, [(name, arguments)])

@@ -3,15 +3,21 @@
 Only positions are computed: where a value ends, or None while the text ends inside it.
 A call's arguments are then a slice of the model's own text, so the arguments streamed so
 far are always a prefix of the final ones (re-serializing a partial object would not be).
+A stream parses its whole text again at every delta, so the scans jump between the
+characters that matter with regular expressions (C speed), never a Python loop per character.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 _WHITESPACE = " \t\n\r"
-_CLOSERS = {"{": "}", "[": "]"}
+# A whole string, escapes included (the unrolled loop: the fastest form for Python's re).
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STRUCTURAL = re.compile(r'["{}\[\]]')
+_SCALAR_END = re.compile(r"[,}\]\s]")
 
 
 def skip_space(text: str, i: int) -> int:
@@ -27,41 +33,28 @@ def value_end(text: str, i: int) -> int | None:
         return None
     if text[i] == '"':
         return _string_end(text, i)
-    if text[i] not in _CLOSERS:
+    if text[i] not in "{[":
         # A number or literal ends at a delimiter; at the end of the text it may go on.
-        j = i
-        while j < len(text) and text[j] not in ",}]" + _WHITESPACE:
-            j += 1
-        return j if j < len(text) else None
+        delimiter = _SCALAR_END.search(text, i)
+        return delimiter.start() if delimiter else None
     depth, j = 0, i
-    while j < len(text):
-        char = text[j]
+    while (found := _STRUCTURAL.search(text, j)) is not None:
+        char, j = found.group(), found.start()
         if char == '"':
-            end = _string_end(text, j)
-            if end is None:
+            if (j := _string_end(text, j)) is None:
                 return None
-            j = end
             continue
-        if char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
+        depth += 1 if char in "{[" else -1
         j += 1
+        if depth == 0:
+            return j
     return None
 
 
 def _string_end(text: str, i: int) -> int | None:
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1
-        else:
-            j += 1
-    return None
+    """The end of the string whose opening quote is text[i]."""
+    string = _STRING.match(text, i)
+    return string.end() if string else None
 
 
 def members(text: str, i: int) -> Iterator[tuple[str, int, int | None]]:

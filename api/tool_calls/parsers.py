@@ -131,30 +131,39 @@ def _object_call(text: str, start: int) -> tuple[Call, int | None]:
     """The call object {"name": ..., "arguments": {...}} at text[start], and where it ends (None: not yet)."""
     if text[start] != "{":
         return Call(None), len(text)  # not a call object: _checked refuses it
-    call = Call(None)
-    for key, value_start, value_stop in members(text, start):
-        if key == "name" and value_stop is not None:
+    call, last = Call(None), skip_space(text, start + 1)
+    for key, value_start, last in members(text, start):
+        if key == "name" and last is not None:
             try:
-                name = json.loads(text[value_start:value_stop])
+                name = json.loads(text[value_start:last])
             except ValueError:
                 name = None
             call.name = name if isinstance(name, str) else None
         elif key in _ARGUMENT_KEYS:
-            call.arguments = text[value_start:len(text) if value_stop is None else value_stop]
-    end = value_end(text, start)
+            call.arguments = text[value_start:len(text) if last is None else last]
+    end = _closed(text, last, "}")
     call.complete = end is not None
     return call, end
 
 
+def _closed(text: str, last: int | None, closer: str) -> int | None:
+    """The end of an object or array whose last member or element ends at `last` (its
+    opening, if none), when `closer` follows (found here, the members need no second scan)."""
+    if last is None:
+        return None
+    close = skip_space(text, last)
+    return close + 1 if text.startswith(closer, close) else None
+
+
 def _array_calls(text: str, start: int) -> tuple[list[Call], int | None]:
     """The call objects of the array at text[start] == "[", and where it ends."""
-    calls = []
+    calls, last = [], skip_space(text, start + 1)
     for element, _ in elements(text, start):
-        call, end = _object_call(text, element)
+        call, last = _object_call(text, element)
         calls.append(call)
-        if end is None:
+        if last is None:
             break
-    return calls, value_end(text, start)
+    return calls, _closed(text, last, "]")
 
 
 def _mistral_calls(text: str, start: int) -> tuple[list[Call], int | None]:
