@@ -190,3 +190,10 @@ def test_tools_and_an_agent_loops_turns_reach_the_chat_template(tiny_model_dir, 
     assert '[TOOL_CALLS]get_time{"zone": "UTC"}' in text and "[TOOL_RESULTS]abcDEF123:12:00" in text
     with pytest.raises(ValueError, match="^messages: the model's chat template refused them: Tool call IDs"):
         rendered("chatcmpl-tool-1")
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_at_startup_as_in_vllm(capsys):
+    from pagedq.cli import main
+
+    assert main(["api", "--enable-auto-tool-choice", "--model", "unused"]) == 1
+    assert "enable_auto_tool_choice: needs tool_call_parser" in capsys.readouterr().err
