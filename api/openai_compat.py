@@ -32,6 +32,8 @@ from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
 from api.threads import blocking
+from api.tool_calls import choice as tool_choice
+from api.tool_calls.deltas import OutputDeltas
 from pagedq.protocol import GenerateRequest, GenerationResult
 from pagedq.redis_schema import TERMINAL, JobState
 from pagedq.settings import Settings
@@ -65,6 +67,8 @@ class OpenAITranslator:
         model = settings.require_model()
         self.model_names = {self.model_id, model, str(Path(model).resolve())}
         self.created = int(time.time())
+        # vLLM's --enable-auto-tool-choice --tool-call-parser: who parses tool_choice "auto".
+        self.auto_tool_parser = settings.tool_call_parser if settings.enable_auto_tool_choice else None
 
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pagedq",
@@ -88,9 +92,12 @@ class OpenAITranslator:
         self.check_model(body.model)
         try:
             if endpoint == CHAT:
+                tools = self.tool_plan(body)
                 messages = [message.template_dict() for message in body.messages]
-                requests = body.generate_requests(self.checker.chat_token_ids(
-                    messages, body.add_generation_prompt, body.chat_template_kwargs))
+                functions = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+                prompt = self.checker.chat_token_ids(messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                                     tools=functions)
+                requests = body.generate_requests(prompt, tools.sampling_overrides if tools else None)
             else:
                 requests = body.generate_requests()
             return [self._prepared(request, body) for request in requests]
@@ -115,11 +122,21 @@ class OpenAITranslator:
         with self.checker.borrowed() as tokenizer:
             return [request.prompt if request.prompt is not None else tokenizer.decode(ids) for request, ids in jobs]
 
+    def tool_plan(self, body: OpenAIRequest) -> tool_choice.ToolPlan | None:
+        """What a chat body's tools ask for (None: plain content); ApiError(400) naming the field."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            return tool_choice.plan(body.tools, body.tool_choice, self.auto_tool_parser)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
     # ---- responses ----------------------------------------------------------------------
 
     def response(self, endpoint: Endpoint, seq_id: str, results: list[GenerationResult], top_logprobs: int | None,
                  prompt_token_ids: list[list[int]] | None = None, echo: list[str] | None = None,
-                 return_token_ids: bool = False, prompt_logprobs: int | None = None) -> dict:
+                 return_token_ids: bool = False, prompt_logprobs: int | None = None,
+                 tools: tool_choice.ToolPlan | None = None) -> dict:
         """OpenAI's response body for finished jobs (one per prompt): a choice per output,
         indexed as OpenAI does (prompt by prompt, each prompt's n outputs in turn); usage
         summed. `top_logprobs`: the jobs' SamplingParams.logprobs (chat lists that many
@@ -127,7 +144,8 @@ class OpenAITranslator:
         prompt's text, put before its choices' text: completions) and vLLM's
         `return_token_ids` (the prompt's and each choice's token ids in the response) need.
         `prompt_logprobs`: the jobs' SamplingParams.prompt_logprobs (vLLM's prompt_logprobs
-        in the response: each completion choice's, chat's beside its choices)."""
+        in the response: each completion choice's, chat's beside its choices). `tools`: the
+        chat request's ToolPlan (its text parsed into calls)."""
         created = int(results[0].timings.enqueued or time.time())
         usage = _usage(sum(r.usage.prompt_tokens for r in results), sum(r.usage.completion_tokens for r in results))
         indexed = [(offset + output.index, prompt, result, output)
@@ -152,14 +170,17 @@ class OpenAITranslator:
                 choices.append(choice)
             return {"id": f"cmpl-{seq_id}", "object": "text_completion", "created": created, "model": self.model_id,
                     "choices": choices, "usage": usage}
-        choices = [
-            {"index": index, "message": {"role": "assistant", "content": output.text},
-             "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
-             if top_logprobs is not None else None,
-             "finish_reason": output.finish_reason, "stop_reason": output.stop_reason,
-             **({"token_ids": output.token_ids} if return_token_ids else {})}
-            for index, _, _, output in indexed
-        ]
+        choices = []
+        for index, _, _, output in indexed:
+            message, finish_reason = ({"role": "assistant", "content": output.text}, output.finish_reason) if tools is None \
+                else tools.message(output.text, output.finish_reason)
+            choices.append({
+                "index": index, "message": message,
+                "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
+                if top_logprobs is not None else None,
+                "finish_reason": finish_reason, "stop_reason": output.stop_reason,
+                **({"token_ids": output.token_ids} if return_token_ids else {}),
+            })
         body = {"id": f"chatcmpl-{seq_id}", "object": "chat.completion", "created": created, "model": self.model_id,
                 "choices": choices, "usage": usage}
         if return_token_ids:
@@ -274,6 +295,8 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
+    # Off the event loop: a forced tool choice's schema is compiled (and xgrammar may still be loading).
+    tools = await blocking(request, translator.tool_plan, body)
 
     def submit() -> list[_Job]:
         """One job per prompt; should one not be queued, those queued before it are canceled."""
@@ -297,7 +320,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs])
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, echo),
+            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, tools, echo),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     deadline = time.monotonic() + settings.completion_timeout_s
@@ -326,7 +349,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         results.append(result)
     return JSONResponse(translator.response(
         endpoint, jobs[0].seq_id, results, jobs[0].generate.logprobs, [job.prompt_token_ids for job in jobs], echo,
-        body.return_token_ids, body.prompt_logprobs))
+        body.return_token_ids, body.prompt_logprobs, tools))
 
 
 @dataclass
@@ -384,18 +407,23 @@ class _StreamError(Exception):
 
 
 async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], include_usage: bool,
-                  continuous_usage: bool, echo: list[str] | None = None) -> AsyncIterator[str]:
+                  continuous_usage: bool, tools: tool_choice.ToolPlan | None,
+                  echo: list[str] | None = None) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks (a choice per output, numbered across the jobs of
     a prompt list), then the usage chunk if asked for, then `data: [DONE]`. Every chunk
     carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far.
     Chat's first chunks (the role, one per choice) go out with the first output, as vLLM
     sends them: sent when the job is queued, they would make a client's time to first
-    token the queueing time. `echo`: each job's prompt text, before its choices' first text."""
+    token the queueing time. With `tools` (a chat request's ToolPlan) each output's text
+    goes out as content and tool-call deltas; a chunk with nothing to say yet is left out.
+    `echo`: each job's prompt text, before its choices' first text."""
     translator = _translator(request)
     chat = endpoint == CHAT
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].seq_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": translator.model_id}
+
+    tool_deltas: dict[tuple[str, int], OutputDeltas] = {}
 
     def chunk(job: _Job, index: int, text: str | None, completion_tokens: int, logprobs: dict | None = None,
               finish_reason: str | None = None, stop_reason: int | str | None = None, role: bool = False) -> str:
@@ -404,6 +432,12 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
             text = echo[jobs.index(job)] + (text or "")
         if chat:
             delta = {} if text is None else {"content": text}
+            if tools is not None and not role:
+                output = tool_deltas.setdefault((job.seq_id, index), OutputDeltas(tools))
+                delta = output.delta(text or "", final=finish_reason is not None)
+                finish_reason = output.finish_reason(finish_reason)
+                if not (delta or logprobs or finish_reason):
+                    return ""
             choice = {"index": job.first_choice + index, "delta": {"role": "assistant", **delta} if role else delta}
         else:
             choice = {"index": job.first_choice + index, "text": text or ""}

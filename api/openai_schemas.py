@@ -1,14 +1,15 @@
 """OpenAI's request bodies for /v1/completions and /v1/chat/completions: the fields pagedq
 serves, vLLM's extra fields (`extra_body` in the openai client: sampling, structured
 outputs, beam search, prompt truncation, token ids in the response), and clear errors
-for what it does not (suffix, best_of, tools, images).
+for what it does not (suffix, best_of, images). Chat's tools are api/tool_calls' (their
+shapes in api/tool_calls/schemas.py).
 
 OpenAI fields that change nothing about the generated text (`user`, `metadata`, `store`,
 `service_tier`, `safety_identifier`, `prompt_cache_key`; for chat `parallel_tool_calls`,
-which means nothing without tools, and `reasoning_effort`, which only reasoning models
-read) are accepted and ignored, as vLLM ignores them. Any other unknown field is
-rejected rather than ignored: a request whose meaning would silently change is worse
-than a 400 naming the field.
+which vLLM ignores too (a model may make several calls either way), and `reasoning_effort`,
+which only reasoning models read) are accepted and ignored, as vLLM ignores them. Any
+other unknown field is rejected rather than ignored: a request whose meaning would
+silently change is worse than a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
 
+from api.tool_calls.schemas import Tool, ToolCall, ToolChoice
 from pagedq.protocol import GenerateRequest
 from pagedq.request_rules import ValidInput, describe_invalid
 from pagedq.structured_outputs_params import StructuredOutputsParams
@@ -234,13 +236,32 @@ class TextPart(ValidInput):
 class ChatMessage(ValidInput):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = Field(None, description="Null only in an assistant turn with tool_calls.")
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's calls (an agent loop's history).")
+    tool_call_id: StrictStr | None = Field(None, description="A tool turn's answer to this call.")
+
+    @model_validator(mode="after")
+    def _tool_turns(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only in an assistant message with tool_calls)")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: required in a tool message, and only there")
+        return self
 
     def template_dict(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": content}
+        """The message as chat templates read it: text content ("" for none, as vLLM gives
+        templates), tool calls with their arguments as objects, a tool turn's call id."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        message = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -253,7 +274,10 @@ class ChatCompletionRequest(_OpenAIRequest):
         None, description="vLLM's: extra variables for the chat template (e.g. enable_thinking); "
         "apply_chat_template's own arguments (add_generation_prompt, tokenize, ...) are ignored, as vLLM ignores them."
     )
-    parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (No tools are served.)")
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools), "required", or '
+                                           '{"type": "function", "function": {"name": ...}}.')
+    parallel_tool_calls: bool | None = Field(None, description=_IGNORED + " (as vLLM: a model may make several calls)")
     reasoning_effort: str | None = Field(None, description=_IGNORED + " (The served models do not reason.)")
 
     @model_validator(mode="after")
@@ -266,9 +290,11 @@ class ChatCompletionRequest(_OpenAIRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
-    def generate_requests(self, prompt_token_ids: list[int]) -> list[GenerateRequest]:
+    def generate_requests(self, prompt_token_ids: list[int], sampling_overrides: dict | None = None) -> list[GenerateRequest]:
         """The same request as POST /generate takes, for the templated prompt (no default
-        bound on tokens, as OpenAI's chat: up to the context length)."""
+        bound on tokens, as OpenAI's chat: up to the context length); `sampling_overrides`:
+        what the request's tools set (a ToolPlan's)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return [GenerateRequest(prompt_token_ids=prompt_token_ids, **self._sampling(None, logprobs))]
+        sampling = {**self._sampling(None, logprobs), **(sampling_overrides or {})}
+        return [GenerateRequest(prompt_token_ids=prompt_token_ids, **sampling)]
 

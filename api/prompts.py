@@ -16,6 +16,7 @@ import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+
 from pagedq.model_info import (
     PromptTooLong,
     check_prompt_fits,
@@ -130,9 +131,10 @@ class PromptChecker:
             raise ValueError(f"prompt: the tokenizer cannot encode it ({exc})") from None
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       template_kwargs: dict | None = None) -> list[int]:
-        """The messages through the checkpoint's chat template, as token ids; `template_kwargs`:
-        vLLM's chat_template_kwargs, variables the template reads."""
+                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        """The messages (and the tools they may call, in OpenAI's shape) through the
+        checkpoint's chat template, as token ids; `template_kwargs`: vLLM's
+        chat_template_kwargs, variables the template reads."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template; send a plain prompt")
         # vLLM's rule: the request's own fields win; apply_chat_template's arguments given as
@@ -141,10 +143,10 @@ class PromptChecker:
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
         with self.borrowed() as tokenizer:
             try:
-                encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                         tokenize=True, **template_kwargs)
-            except Exception as exc:  # jinja2's errors: the template refused these messages or variables
-                raise ValueError(f"messages: the chat template refused them ({type(exc).__name__}: {exc})") from None
+            except Exception as exc:  # jinja2's errors: the template refused these messages, tools or variables
+                raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
         # transformers 5 answers a BatchEncoding, earlier versions a list.
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -95,6 +95,17 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Non-streaming /v1 completions wait this long for their job; then it is canceled (504).",
     )
 
+    # Tool calling on /v1/chat/completions (vLLM's flags of the same names).
+    enable_auto_tool_choice: bool = Field(
+        False, description='tool_choice "auto" (the default when a request gives tools): the model decides, and its '
+        "calls are parsed out of its text by tool_call_parser. Off: such requests are refused (400), as vLLM refuses "
+        'them; "required" and named tool choices work either way.',
+    )
+    tool_call_parser: Literal["llama3_json", "hermes", "mistral"] | None = Field(
+        None, description="How the model writes tool calls: llama3_json (Llama 3.1-3.3), hermes (Hermes, Qwen 2.5/3), "
+        "mistral ([TOOL_CALLS]).",
+    )
+
     # Batch API (/v1/files, /v1/batches).
     files_dir: Path | None = Field(
         None, description="Where uploaded and batch output files live; None: in Redis. Every api replica must see it.",
@@ -134,6 +145,12 @@ class Settings(BaseSettings):
         "pagedq", description="Prefix of the worker's vLLM-named metrics: `pagedq:`, or vLLM's own `vllm:` "
         "(for dashboards written against vLLM).",
     )
+
+    @model_validator(mode="after")
+    def _auto_tool_choice_has_a_parser(self) -> Settings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser (--tool-call-parser), as in vLLM")
+        return self
 
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod

@@ -185,8 +185,8 @@ def test_chat_uses_the_checkpoint_chat_template(service, client, model):
          "stream_options.usage", "Extra inputs"),
         ("/v1/completions", {"model": "M"}, 400, "prompt", "Field required"),
         ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1"),
-        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400,
-         "tools", "Extra inputs"),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "functions": []}, 400,
+         "functions", "Extra inputs"),
         ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content", "text"),
     ],

@@ -329,9 +329,10 @@ class BatchStore:
             body = self.translator.parse(record.endpoint, line["body"])
             if body.stream:
                 raise ApiError(400, "stream: not available in a batch", param="stream")
-            # The output line is built from the job's result alone, which holds neither.
-            for field in ("echo", "return_token_ids", "prompt_logprobs"):
-                if getattr(body, field, None) not in (None, False):
+            # The output line is built from the job's result alone, which holds none of these,
+            # nor how to parse a model's tool calls.
+            for field in ("echo", "return_token_ids", "prompt_logprobs", "tools"):
+                if getattr(body, field, None) not in (None, False, []):
                     raise ApiError(400, f"{field}: not available in a batch", param=field)
             prepared = self.translator.prepare(record.endpoint, body)
             if len(prepared) != 1:

@@ -98,6 +98,13 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
     else:
         parser.add_argument("--host", help="address the api listens on (PAGEDQ_HOST, default 127.0.0.1)")
         parser.add_argument("--port", type=int, help="port the api listens on (PAGEDQ_PORT, default 8000)")
+    if role != "worker":
+        parser.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                            help='let chat requests with tools use tool_choice "auto" (their default): the model\'s own '
+                            "tool calls are parsed out of its text; needs --tool-call-parser (PAGEDQ_ENABLE_AUTO_TOOL_CHOICE)")
+        parser.add_argument("--tool-call-parser", choices=("llama3_json", "hermes", "mistral"),
+                            help="how the model writes tool calls: llama3_json (Llama 3.1-3.3), hermes (Hermes, Qwen "
+                            "2.5/3) or mistral (PAGEDQ_TOOL_CALL_PARSER)")
     parser.add_argument("--queue-name", help="RQ queue the api fills and workers take from (PAGEDQ_QUEUE_NAME, "
                         "default pagedq; batches use QUEUE.batch)")
     parser.add_argument("--device", help="auto, cpu or cuda (PAGEDQ_DEVICE, default auto)")
