@@ -61,6 +61,7 @@ class PromptChecker:
         # Checked once here (a bad value is the checkpoint's fault, not a request's).
         defaults = generation_defaults(model)
         self.generation_defaults = SamplingParams(**defaults).model_dump(include=set(defaults))
+        self.compact_json = settings.structured_outputs_disable_any_whitespace
         # The workers' engines are built from the same settings.
         self.max_num_seqs = settings.max_num_seqs
         self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,8 +87,14 @@ class PromptChecker:
 
     def with_generation_defaults(self, request: GenerateRequest) -> GenerateRequest:
         """The request with the sampling fields it left out taken from the checkpoint's
-        generation config, as vLLM does by default (beam search does not sample)."""
+        generation config, as vLLM does by default (beam search does not sample), and a JSON
+        shape's whitespace from the server's setting when the request did not say."""
         missing = {name: value for name, value in self.generation_defaults.items() if name not in request.model_fields_set}
+        shape = request.structured_outputs
+        if (self.compact_json and shape is not None and shape.kind in ("json", "json_object")
+                and "disable_any_whitespace" not in shape.model_fields_set):
+            # The server's default (settings.structured_outputs_disable_any_whitespace); a request's own choice wins.
+            missing["structured_outputs"] = shape.model_copy(update={"disable_any_whitespace": True})
         if not missing or request.use_beam_search:
             return request
         return request.model_copy(update=missing)

@@ -106,6 +106,12 @@ class Settings(BaseSettings):
         "mistral ([TOOL_CALLS]).",
     )
 
+    structured_outputs_disable_any_whitespace: bool = Field(
+        False, description="JSON structured outputs (json, json_object, response_format, forced tool calls) without "
+        "whitespace between tokens unless a request asks otherwise (vLLM's --structured-outputs-config."
+        "disable_any_whitespace): small models given the freedom often write whitespace until max_tokens.",
+    )
+
     # Batch API (/v1/files, /v1/batches).
     files_dir: Path | None = Field(
         None, description="Where uploaded and batch output files live; None: in Redis. Every api replica must see it.",

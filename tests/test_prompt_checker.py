@@ -81,3 +81,21 @@ def test_one_prompt_being_tokenized_holds_one_copy_only(checker):
         release.set()
         for thread in others:
             thread.join(10)
+
+
+def test_the_servers_json_whitespace_setting_fills_what_a_request_left_out(tiny_model_dir):
+    """vLLM's --structured-outputs-config.disable_any_whitespace: the server's default for JSON
+    shapes; a request that says otherwise keeps its own, and other shapes are untouched."""
+    from pagedq.protocol import GenerateRequest
+
+    compact = PromptChecker(Settings(model=str(tiny_model_dir("llama")), structured_outputs_disable_any_whitespace=True))
+    plain = PromptChecker(Settings(model=str(tiny_model_dir("llama"))))
+
+    def shaped(checker, shape):
+        return checker.with_generation_defaults(GenerateRequest(prompt="a", structured_outputs=shape)).structured_outputs
+
+    assert shaped(compact, {"json": {"type": "object"}}).disable_any_whitespace is True
+    assert shaped(compact, {"json_object": True}).disable_any_whitespace is True
+    assert shaped(compact, {"json_object": True, "disable_any_whitespace": False}).disable_any_whitespace is False
+    assert shaped(compact, {"regex": "a+"}).disable_any_whitespace is False
+    assert shaped(plain, {"json": {"type": "object"}}).disable_any_whitespace is False

@@ -105,6 +105,10 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
         parser.add_argument("--tool-call-parser", choices=("llama3_json", "hermes", "mistral"),
                             help="how the model writes tool calls: llama3_json (Llama 3.1-3.3), hermes (Hermes, Qwen "
                             "2.5/3) or mistral (PAGEDQ_TOOL_CALL_PARSER)")
+        parser.add_argument("--structured-outputs-disable-any-whitespace", action="store_true", default=None,
+                            help="JSON structured outputs without whitespace between tokens unless a request sends "
+                            "disable_any_whitespace (small models often loop on whitespace otherwise; "
+                            "PAGEDQ_STRUCTURED_OUTPUTS_DISABLE_ANY_WHITESPACE)")
     parser.add_argument("--queue-name", help="RQ queue the api fills and workers take from (PAGEDQ_QUEUE_NAME, "
                         "default pagedq; batches use QUEUE.batch)")
     parser.add_argument("--device", help="auto, cpu or cuda (PAGEDQ_DEVICE, default auto)")
