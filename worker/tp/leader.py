@@ -44,7 +44,7 @@ class TensorParallelError(RuntimeError):
 
 
 class Ranks:
-    def __init__(self, args: EngineArgs, max_model_len: int, device_type: str):
+    def __init__(self, args: EngineArgs, hf_config, max_model_len: int, device_type: str):
         size = args.tensor_parallel_size
         if device_type == "cpu":
             # The ranks share the host's cores: each takes its part of the threads, as
@@ -60,8 +60,8 @@ class Ranks:
         self._broken: str | None = None
         try:
             for rank, process in enumerate(self._processes, start=1):
-                start = RankStart(rank, size, self._store.port, dataclasses.asdict(args), max_model_len,
-                                  torch.get_num_threads())
+                start = RankStart(rank, size, self._store.port, dataclasses.asdict(args), hf_config.to_dict(),
+                                  max_model_len, torch.get_num_threads())
                 write_frame(process.stdin, self._encoder.encode(start))
             self._wait_for_ranks(size)
             self.tp = join_group(self._store, 0, size, device_type)
