@@ -82,10 +82,6 @@ class Ranks:
                 raise TensorParallelError(f"tensor-parallel ranks did not join within {_JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
-
     def run(self, command: Command, step: Callable[[], T]) -> T:
         """Send `command` to ranks 1..N-1, then run `step` (the same command) here."""
         self.check_alive()
@@ -127,16 +123,17 @@ class Ranks:
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
-    """Let the other ranks go (their stdin closes), then leave the group."""
+    """Let the other ranks go: an idle one sees its stdin end; one left inside a
+    collective (rank 0 failed mid-step) sees the group's sockets close."""
     for process in processes:
         try:
             process.stdin.close()
         except OSError:
             pass  # its pipe broke with it
+    leave_group()
     for process in processes:
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-    leave_group()
