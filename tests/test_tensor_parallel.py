@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU (gloo, real rank processes): two ranks generate exactly
 what one does, fp32 greedy, for every architecture, through chunked prefill, preemption
 and the prefix cache; shapes that do not split are refused; a rank SIGKILLed mid-step
-stops the engine within seconds (offline), and the service requeues its jobs, which
-finish elsewhere with the same tokens."""
+stops the engine within seconds (offline); in the service, a worker whose rank dies
+requeues its jobs, which finish elsewhere with the same tokens, and exits, also when the
+rank dies while it idles."""
 
 from __future__ import annotations
 
@@ -54,10 +55,6 @@ PREEMPTION = {"qwen2": "swap"}
 def rank_processes(parent: int | None = None) -> list[psutil.Process]:
     """Tensor-parallel ranks 1..N-1 below this process (or below `parent`)."""
     return [p for p in psutil.Process(parent).children(recursive=True) if "worker.tp.follower" in " ".join(p.cmdline())]
-
-
-def worker_ranks(worker: WorkerProcess) -> list[psutil.Process]:
-    return rank_processes(worker.process.pid)
 
 
 def run(model_dir, tensor_parallel_size: int, preemption_mode: str) -> tuple[list[list[int]], dict, int]:
@@ -153,7 +150,7 @@ def test_a_worker_whose_rank_dies_requeues_its_jobs_and_they_finish_elsewhere(ti
             # The worker running the most of them loses a rank mid-step.
             holders = [job.worker_name for job in Job.fetch_many(seq_ids, connection=redis, serializer=JSONSerializer)]
             doomed = by_name[max(set(holders), key=holders.count)]
-            (rank,) = worker_ranks(doomed)
+            (rank,) = rank_processes(doomed.process.pid)
             rank.kill()
             killed_at = time.monotonic()
             assert doomed.process.wait(30) != 0
@@ -166,7 +163,7 @@ def test_a_worker_whose_rank_dies_requeues_its_jobs_and_they_finish_elsewhere(ti
             assert [job.retries_left for job in fetched] == [settings.job_retries] * len(seq_ids)
             # A rank that dies while its worker idles ends that worker too, not the next job's step.
             (survivor,) = [w for w in workers if w is not doomed]
-            (rank,) = worker_ranks(survivor)
+            (rank,) = rank_processes(survivor.process.pid)
             rank.kill()
             killed_at = time.monotonic()
             assert survivor.process.wait(30) != 0
