@@ -70,7 +70,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.attention = get_attention_backend(args.attention_backend, self.device.type)
-        self.model = load_model(args.model, self.dtype, self.device, self.attention, tp)
+        self.model = load_model(args.model, self.dtype, self.device, self.attention, tp, hf_config)
         if args.stub_forward:
             self.model = StubForward(self.model)
         self.vocab_size = self.model.vocab_size
@@ -108,7 +108,7 @@ class ModelRunner:
         if args.tensor_parallel_size == 1:
             return cls(args, hf_config, max_model_len, eos_token_ids)
         check_tensor_parallel(hf_config, args.tensor_parallel_size)
-        ranks = Ranks(args, max_model_len, resolve_device(args.device).type)
+        ranks = Ranks(args, hf_config, max_model_len, resolve_device(args.device).type)
         try:
             return cls(args, hf_config, max_model_len, eos_token_ids, ranks.tp, ranks)
         except BaseException:

@@ -46,12 +46,13 @@ def check_tensor_parallel(hf_config, size: int) -> None:
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
-    tp: TensorParallel = SINGLE,
+    tp: TensorParallel = SINGLE, hf_config=None,
 ) -> CausalLM:
     """Build the checkpoint's architecture with its weights in `dtype` on `device` (under
-    tensor parallelism, rank `tp.rank`'s shard of them)."""
+    tensor parallelism, rank `tp.rank`'s shard of them); `hf_config`: its config, when the
+    caller has it already."""
     path = check_model_dir(model_dir)
-    hf_config = load_hf_config(path)
+    hf_config = hf_config if hf_config is not None else load_hf_config(path)
     architecture = architecture_of(hf_config)
     checkpoint = SafetensorsCheckpoint(path)
     tie = bool(getattr(hf_config, "tie_word_embeddings", False)) or "lm_head.weight" not in checkpoint.names

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from types import SimpleNamespace
 
 
 def main() -> None:
@@ -27,7 +28,6 @@ def main() -> None:
     import torch
 
     from pagedq.config import EngineArgs
-    from pagedq.model_info import load_hf_config
     from worker.model_runner import ModelRunner, resolve_device
     from worker.tp.group import join_group, leave_group, open_store
     from worker.tp.messages import Command, MoveBlocks, RankStart, read_frame
@@ -43,7 +43,7 @@ def main() -> None:
     store.set(f"joining/{start.rank}", "1")
     tp = join_group(store, start.rank, start.size, resolve_device(args.device).type)
     try:
-        runner = ModelRunner(args, load_hf_config(args.model), start.max_model_len, set(), tp=tp)
+        runner = ModelRunner(args, SimpleNamespace(**start.hf_config), start.max_model_len, set(), tp=tp)
         decoder = msgspec.msgpack.Decoder(Command)
         with torch.inference_mode():
             while (frame := read_frame(stdin)) is not None:

@@ -44,7 +44,7 @@ class TensorParallelError(RuntimeError):
 
 
 class Ranks:
-    def __init__(self, args: EngineArgs, max_model_len: int, device_type: str):
+    def __init__(self, args: EngineArgs, hf_config, max_model_len: int, device_type: str):
         size = args.tensor_parallel_size
         if device_type == "cpu":
             # The ranks share the host's cores: each takes its part of the threads, as
@@ -60,8 +60,8 @@ class Ranks:
         self._broken: str | None = None
         try:
             for rank, process in enumerate(self._processes, start=1):
-                start = RankStart(rank, size, self._store.port, dataclasses.asdict(args), max_model_len,
-                                  torch.get_num_threads())
+                start = RankStart(rank, size, self._store.port, dataclasses.asdict(args), hf_config.to_dict(),
+                                  max_model_len, torch.get_num_threads())
                 write_frame(process.stdin, self._encoder.encode(start))
             self._wait_for_ranks(size)
             self.tp = join_group(self._store, 0, size, device_type)
@@ -81,10 +81,6 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel ranks did not join within {_JOIN_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
 
     def run(self, command: Command, step: Callable[[], T]) -> T:
         """Send `command` to ranks 1..N-1, then run `step` (the same command) here."""
@@ -127,16 +123,17 @@ class Ranks:
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:
-    """Let the other ranks go (their stdin closes), then leave the group."""
+    """Let the other ranks go: an idle one sees its stdin end; one left inside a
+    collective (rank 0 failed mid-step) sees the group's sockets close."""
     for process in processes:
         try:
             process.stdin.close()
         except OSError:
             pass  # its pipe broke with it
+    leave_group()
     for process in processes:
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=10)
-    leave_group()

@@ -19,6 +19,9 @@ class RankStart(msgspec.Struct, array_like=True, gc=False):
     size: int
     store_port: int  # the leader's torch.distributed TCP store, on localhost
     engine_args: dict  # pagedq.config.EngineArgs' fields
+    # Rank 0's model config (transformers' to_dict()): every rank builds its shard from the
+    # same values, and none pays for importing transformers to read it again.
+    hf_config: dict
     max_model_len: int
     torch_threads: int
 
