@@ -220,3 +220,24 @@ def test_langchain_bind_tools_and_structured_output(service):
     answer = chat(plain).bind_tools([WEATHER, CLOCK], tool_choice="none").invoke(
         [question, reply, ToolMessage("12:00", tool_call_id=call["id"])])
     assert isinstance(answer.content, str) and not answer.tool_calls
+
+
+def test_openai_parse_and_langchain_json_schema_get_objects_of_their_schema(service):
+    """The structured-output flows of the issue's table that need no tool: openai's
+    `chat.completions.parse(response_format=PydanticModel)` (a json_schema response_format)
+    and LangChain's `with_structured_output(method="json_schema")` both return the model."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    plain, _, _, model = service
+
+    class Forecast(BaseModel):
+        city: str = Field(json_schema_extra={"enum": ["Paris", "Oslo"]})
+        days: int = Field(ge=1, le=7)
+
+    parsed = client_of(plain).chat.completions.parse(
+        model=model.name, messages=ASK, response_format=Forecast, **SAMPLED).choices[0].message.parsed
+    assert isinstance(parsed, Forecast)
+    llm = ChatOpenAI(model=model.name, base_url=f"{plain.url}/v1", api_key="unused", max_retries=0,
+                     temperature=SAMPLED["temperature"], seed=SAMPLED["seed"], max_tokens=SAMPLED["max_tokens"])
+    assert isinstance(llm.with_structured_output(Forecast, method="json_schema").invoke("Weather in Oslo?"), Forecast)
