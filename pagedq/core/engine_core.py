@@ -22,7 +22,9 @@ next step sit out the step after each of theirs (`CoreRequest.sync`: beam search
 picks the next beams on the host, and penalties, counted on the host); n > 1 requests
 branch when their prompt's last chunk is scheduled, so their first tokens are all
 sampled from that step. Seeded sampling and logprobs need nothing from the host and run
-ahead like the rest. Without overlap (the CPU default: there the device is the host, and
+ahead like the rest. A structured output's grammar needs its last token only before its
+sampling: a step with grammar rows collects the step in flight early, after queuing its
+own forward (`_grammar_masks`, pagedq.core.structured_outputs). Without overlap (the CPU default: there the device is the host, and
 nothing runs beside it) each step is collected as soon as it is launched.
 
 Isolation: whatever one request causes to throw (its forward, its sampling, its beams, a
