@@ -587,12 +587,15 @@ class BatchWorker(BaseWorker):
                 entry.final = output
 
     def _engine_died(self, exc: EngineDeadError) -> None:
-        """The engine is gone (its core process, or a tensor-parallel rank): no job was at
-        fault, so the loop ends as a drain's does, at once, requeueing each job whole at
-        the queue's front for another worker; then this worker leaves (its exit status
-        says why) rather than take jobs it cannot run."""
-        self.log.error("Worker %s: the engine died (%s); requeueing its jobs and stopping", self.name, exc)
+        """The engine is gone (its core process, or a tensor-parallel rank). Its jobs go as
+        a dead worker's do (the reaper's requeue): each spends a retry and runs again
+        elsewhere, so a request that kills every engine it runs on fails once its retries
+        are spent instead of taking down every worker in turn. Then the loop ends as a
+        drain's does, at once, and this worker leaves (its exit status says why) rather
+        than take jobs it cannot run."""
+        self.log.error("Worker %s: the engine died (%s); its jobs are retried elsewhere and it stops", self.name, exc)
         self._engine_dead = exc
+        self._fail_inflight((type(exc), exc, exc.__traceback__))
         self._draining, self._drain_deadline = True, 0.0
 
     def _queue_successes(self, pipeline, entries: list[InFlight]) -> None:
