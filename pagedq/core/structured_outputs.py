@@ -96,6 +96,9 @@ class TokenBitmask:
         self.vocab_size = vocab_size
         self.device = device
         self._host = self._allocate(8)
+        # Rows filled in parallel, outside the GIL: inside a JSON string a 49k vocabulary took
+        # ~430 us a row here, 5% of a step's time with 32 constrained rows on one thread.
+        self._batch = xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
 
     def _allocate(self, rows: int) -> torch.Tensor:
         # Pinned on CUDA, so the copy is asynchronous. Refilling it is safe: the next fill
@@ -111,9 +114,9 @@ class TokenBitmask:
             self._host = self._allocate(max(rows, 2 * self._host.shape[0]))
         host = self._host[:rows]
         self._xgr.reset_token_bitmask(host)
-        for row, matcher in enumerate(matchers):
-            if matcher is not None and not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(host, row)
+        live = [(row, matcher) for row, matcher in enumerate(matchers) if matcher is not None and not matcher.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([matcher for _, matcher in live], host, [row for row, _ in live])
         if self.device.type == "cpu":
             return host
         return host.to(self.device, non_blocking=True)
