@@ -213,17 +213,13 @@ class EngineCore:
         if wait_s > 0:
             wait([future for _, _, future in self._compiling], timeout=wait_s, return_when=FIRST_COMPLETED)
         still: list[tuple[CoreRequest, Sequence, Future]] = []
-        for request, first, future in self._compiling:
-            if request.request_id not in self.requests:
-                continue  # aborted while it compiled
+        for request, first, future in self._compiling:  # (abort_requests takes aborted ones out)
             if not future.done():
                 still.append((request, first, future))
                 continue
             error = future.exception()
             if error is not None:
-                del self.requests[request.request_id]
-                self.counters.requests_failed += 1
-                self._out.failed.append((request.request_id, str(error)))
+                self._fail_request(request, str(error))
                 continue
             request.grammar = future.result()
             first.grammar = new_matcher(request.grammar)
@@ -278,8 +274,10 @@ class EngineCore:
             self.counters.requests_finished += 1
 
     def shutdown(self) -> None:
-        """Stops the model runner's other ranks, if any."""
+        """Stops the model runner's other ranks, if any, and the grammar compiler's thread."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def check_alive(self) -> None:
         """Between steps: raises TensorParallelError if one of the other ranks has died."""
@@ -374,7 +372,8 @@ class EngineCore:
             self._renumber(rows)
             failures = len(self._out.failed)
         masks = None
-        if any(seq.grammar is not None for seq in rows):
+        # (No scan of the rows until a request has brought a grammar.)
+        if self._grammars is not None and any(seq.grammar is not None for seq in rows):
             masks = self._grammar_masks(rows)
         # A request that fails alone in its sampling keeps its rows (ended sequences, their
         # ids unread), so every row stays where the sampled ids have it.

@@ -61,12 +61,11 @@ class InputProcessor:
         if not token_ids:
             raise ValueError("prompt: must not be empty")
         check_prompt_fits(len(token_ids), None, self.max_model_len)
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        for field, ids in (("prompt_token_ids", token_ids), ("stop_token_ids", params.stop_token_ids),
+                           ("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{field}: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if beam is not None:
             check_width("beam_width", beam.beam_width, self.max_num_seqs)
         else:
@@ -75,10 +74,6 @@ class InputProcessor:
             raise ValueError(f"logprobs: {params.logprobs} alternatives, more than the vocabulary's {self.vocab_size} tokens")
         if self.tokenizer is None and params.stop_strings:
             raise ValueError("stop: stop strings need a tokenizer (the engine was built with skip_tokenizer_init)")
-        for field, ids in (("allowed_token_ids", params.allowed_token_ids), ("logit_bias", params.logit_bias)):
-            bad = [t for t in ids or () if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{field}: token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         for field in ("bad_words", "structured_outputs"):
             if self.tokenizer is None and getattr(params, field):
                 raise ValueError(f"{field}: needs a tokenizer (the engine was built with skip_tokenizer_init)")
