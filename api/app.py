@@ -29,10 +29,12 @@ from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
 from api.jobs import JobStore
 from api.prompts import PromptChecker
 from api.streaming import StreamReader
+from api.submitter import Submitter
 from api.threads import blocking_limiter
 from api.worker_metrics import WorkerSeries
 from pagedq.live_workers import live_workers
 from pagedq.metrics import ApiMetrics
+from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
 from pagedq.structured_outputs_params import preload_grammar_engine
@@ -85,6 +87,7 @@ def create_app(settings: Settings) -> FastAPI:
         store = app.state.store = JobStore(
             redis, settings, on_enqueued=lambda queue, count: metrics.jobs_submitted.labels(queue).inc(count)
         )
+        app.state.submitter = Submitter(app.state.aredis)
         app.state.streams = StreamReader(app.state.aredis)
         app.state.blocking = blocking_limiter()
         app.state.files = FileStore(redis, settings)
@@ -92,6 +95,7 @@ def create_app(settings: Settings) -> FastAPI:
         background = [asyncio.create_task(supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
         # Off the event loop: requests are served while it loads.
         threading.Thread(target=preload_grammar_engine, name="preload-xgrammar", daemon=True).start()
+        freeze_startup_heap()
         yield
         for task in background:
             task.cancel()

@@ -3,7 +3,8 @@
 Two RQ queues: interactive requests, and batch lines (redis_schema.batch_queue_name), which
 workers take only when the interactive queue is empty.
 
-Blocking redis-py/RQ calls: FastAPI runs these endpoints in its threadpool.
+Blocking redis-py/RQ calls run in the api's threads (api.threads), except the enqueue of a
+submission: JobStore.prepare() builds it, api.submitter sends it from the event loop.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
+from dataclasses import dataclass
 
 from redis import Redis
 from redis.client import Pipeline
@@ -105,7 +107,7 @@ _CANCELABLE = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatu
 # KEYS: the job hash, the queue, RQ's set of queues. ARGV: the job id, the depth limit, the
 # job's TTL (-1: none), then the hash's field/value pairs. Returns 1 queued, 0 a job with
 # this id exists, -1 the queue is full.
-_ENQUEUE = """
+ENQUEUE_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
     return 0
 end
@@ -135,6 +137,17 @@ class AlreadyFinished(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class PreparedJob:
+    """A submission ready to queue: ENQUEUE_SCRIPT's keys and arguments, and what its reply is judged by."""
+
+    seq_id: str
+    queue_name: str
+    body_hash: str
+    keys: list[str]
+    args: list
+
+
 def idempotent_seq_id(idempotency_key: str, owner: str) -> str:
     """The seq_id a key maps to; scoped by tenant so two tenants' keys never collide."""
     digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()
@@ -149,7 +162,6 @@ class JobStore:
         self.queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
         self.batch_queue = Queue(batch_queue_name(settings.queue_name), connection=connection, serializer=JSONSerializer)
         self.on_enqueued = on_enqueued
-        self._enqueue = connection.register_script(_ENQUEUE)
 
     @staticmethod
     def payload(request: GenerateRequest, prompt_token_ids: list[int], stream: bool = True) -> JobPayload:
@@ -176,12 +188,12 @@ class JobStore:
             retry=Retry(max=self.settings.job_retries) if self.settings.job_retries else None,
         )
 
-    def submit(
+    def prepare(
         self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
         stream: bool = True,
-    ) -> tuple[str, JobState]:
-        """Queue an interactive job for `owner` (a Caller's tenant) in one script call (see _ENQUEUE);
-        `stream` false: nobody will follow its deltas."""
+    ) -> PreparedJob:
+        """An interactive job for `owner` (a Caller's tenant), ready for one ENQUEUE_SCRIPT call
+        (api.submitter sends it); `stream` false: nobody will follow its deltas."""
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
@@ -190,16 +202,20 @@ class JobStore:
         )
         # What Queue.enqueue_job sets before saving (origin, enqueued_at, status queued).
         self.queue._prepare_for_queue(job)
-        outcome = self._enqueue(
-            keys=[job.key, self.queue.key, self.queue.redis_queues_keys],
+        return PreparedJob(
+            seq_id, self.queue.name, body_hash, keys=[job.key, self.queue.key, self.queue.redis_queues_keys],
             args=[job.id, self.settings.max_queue_depth, job.ttl if job.ttl is not None else -1, *_build_hset_args(job)],
         )
+
+    def settle(self, prepared: PreparedJob, outcome: int) -> JobState | None:
+        """What ENQUEUE_SCRIPT's `outcome` means for the job: "queued", QueueFull raised, or
+        None when a job with its id exists already (an Idempotency-Key reused: replay())."""
         if outcome == 0:
-            return seq_id, self._replay(seq_id, body_hash)
+            return None
         if outcome == -1:
             raise QueueFull(f"queue is full ({self.settings.max_queue_depth} jobs waiting); retry later")
-        self.on_enqueued(self.queue.name, 1)
-        return seq_id, "queued"
+        self.on_enqueued(prepared.queue_name, 1)
+        return "queued"
 
     def enqueue_batch_line(
         self, pipeline: Pipeline, seq_id: str, payload: JobPayload, result_ttl_s: int, owner: str
@@ -208,8 +224,9 @@ class JobStore:
         job = self._new_job(self.batch_queue, seq_id, payload, {OWNER_META_KEY: owner}, result_ttl_s)
         self.batch_queue.enqueue_job(job, pipeline=pipeline)
 
-    def _replay(self, seq_id: str, body_hash: str) -> JobState:
+    def replay(self, prepared: PreparedJob) -> JobState:
         """A resubmission with a known Idempotency-Key: the same job, if the body is the same."""
+        seq_id, body_hash = prepared.seq_id, prepared.body_hash
         job = self._fetch(seq_id)
         if job is None:  # expired between the two calls
             raise IdempotencyConflict("Idempotency-Key: the earlier job with this key just expired; retry")

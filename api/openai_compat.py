@@ -31,6 +31,7 @@ from pagedq.redis_connection import passing_redis_trouble
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker
+from api.submitter import Submitter
 from api.threads import blocking
 from api.tool_calls import choice as tool_choice
 from api.tool_calls.deltas import OutputDeltas
@@ -295,26 +296,28 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
-    # Off the event loop: a forced tool choice's schema is compiled (and xgrammar may still be loading).
-    tools = await blocking(request, translator.tool_plan, body)
-
-    def submit() -> list[_Job]:
-        """One job per prompt; should one not be queued, those queued before it are canceled."""
-        jobs: list[_Job] = []
+    # Off the event loop: the prompts are tokenized, a forced tool choice's schema compiled
+    # (and xgrammar may still be loading).
+    tools, prompts = await blocking(request, lambda: (translator.tool_plan(body), translator.prepare(endpoint, body)))
+    prepared = [store.prepare(generate, ids, None, caller.tenant, stream=body.stream) for generate, ids in prompts]
+    submitter: Submitter = request.app.state.submitter
+    outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in prepared), return_exceptions=True)
+    # One job per prompt; should one not be queued, the others are canceled.
+    jobs: list[_Job] = []
+    failure: BaseException | None = None
+    for job, (generate, prompt_token_ids), outcome in zip(prepared, prompts, outcomes):
         try:
-            for generate, prompt_token_ids in translator.prepare(endpoint, body):
-                seq_id, _ = store.submit(generate, prompt_token_ids, None, caller.tenant, stream=body.stream)
-                jobs.append(_Job(seq_id, generate, prompt_token_ids, len(jobs) * generate.n))
-        except BaseException:
-            for job in jobs:
-                _cancel(store, job.seq_id)
-            raise
-        return jobs
-
-    try:
-        jobs = await blocking(request, submit)
-    except QueueFull as exc:
-        raise ApiError(429, str(exc), {"Retry-After": str(settings.retry_after_s)}) from exc
+            if isinstance(outcome, BaseException):
+                raise outcome
+            store.settle(job, outcome)
+            jobs.append(_Job(job.seq_id, generate, prompt_token_ids, len(jobs) * generate.n))
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        await blocking(request, lambda: [_cancel(store, job.seq_id) for job in jobs])
+        if isinstance(failure, QueueFull):
+            raise ApiError(429, str(failure), {"Retry-After": str(settings.retry_after_s)}) from failure
+        raise failure
     echo = None
     if isinstance(body, CompletionRequest) and body.echo:
         echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU machine is used for, in one script (the lease is short: one call runs
 # several stages). Run from the repository root on the GPU machine:
-#   bash bench/gpu_session.sh STAGE...   stages: tests host engine kernels offline serve smollm2 presets profile
+#   bash bench/gpu_session.sh STAGE...   stages: tests host engine kernels offline serve serve-1b serve-profile smollm2 presets profile
 # That machine has torch, Triton and transformers but not the service's packages and no
 # network: they travel as wheels in .whl/ (see the device notes in bench/results/), and
 # everything is written under $OUT (default ./gpu-out).
@@ -72,11 +72,29 @@ for s in "$@"; do
             --json "$OUT/offline-56m-bf16.json" 2>&1 | tee "$OUT/offline-56m-bf16.log" | tail -25
         ;;
     serve)
-        for stream in --stream --no-stream; do
+        for stream in ${SERVE_MODES:---stream --no-stream}; do
             stage "serve 56M bf16 $stream"
             timeout 240 $PAGEDQ bench serve --model $M56 --device cuda --dtype bfloat16 --num-prompts 256 $stream \
                 --json "$OUT/serve-56m$stream.json" 2>&1 | tee "$OUT/serve-56m$stream.log" | tail -30
         done
+        ;;
+    serve-1b)
+        # The second GPU row: a 1B model's shape, nano-vllm's lengths, streaming clients.
+        P=/tmp/models/llama-3.2-1b
+        [ -d $P ] || $PAGEDQ make-tiny-model --preset llama-3.2-1b $P >/dev/null
+        stage "serve llama-3.2-1b shape bf16 --stream"
+        timeout 300 $PAGEDQ bench serve --model $P --device cuda --dtype bfloat16 --num-prompts 256 \
+            --input-len 100:1024 --output-len 100:1024 --stream \
+            --json "$OUT/serve-1b-stream.json" 2>&1 | tee "$OUT/serve-1b-stream.log" | tail -14
+        ;;
+    serve-profile)
+        # Where the service's processes spend their CPU: py-spy (a wheel in .whl/) samples every
+        # process of `bench serve` (api, worker front, engine core, client), on-CPU stacks only.
+        stage "serve 56M bf16 --stream under py-spy"
+        timeout 200 /tmp/site/bin/py-spy record --subprocesses --nonblocking --rate 200 --format raw \
+            -o "$OUT/serve-56m-pyspy.txt" -- python3 -m pagedq.cli bench serve --model $M56 --device cuda \
+            --dtype bfloat16 --num-prompts 256 --stream --no-offline 2>&1 | tail -14
+        gzip -f "$OUT/serve-56m-pyspy.txt"
         ;;
     smollm2)
         # The GGUF travels in two parts (the wheel is larger than one call may carry).

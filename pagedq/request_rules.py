@@ -17,6 +17,9 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 
 
+_TEXTUAL = (str, list, tuple, dict)
+
+
 def unencodable_text(value: Any) -> str | None:
     """Why `value` (a string, or lists / dicts of them) is not valid Unicode text, or None.
     A JSON body may carry a lone UTF-16 surrogate ("\\ud800"); no tokenizer takes it and
@@ -28,7 +31,9 @@ def unencodable_text(value: Any) -> str | None:
             return f"contains a lone UTF-16 surrogate at character {exc.start}; text must be valid Unicode"
         return None
     if isinstance(value, (list, tuple)):
-        return next((why for item in value if (why := unencodable_text(item)) is not None), None)
+        # Only what can hold text is looked into: a prompt's token ids are most of a body,
+        # and every model holding them is validated a few times per request.
+        return next((why for item in value if isinstance(item, _TEXTUAL) and (why := unencodable_text(item)) is not None), None)
     if isinstance(value, dict):
         return next((why for item in value.items() if (why := unencodable_text(list(item))) is not None), None)
     return None

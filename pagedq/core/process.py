@@ -33,6 +33,7 @@ def run_core_process(settings: dict) -> None:
     from pagedq.config import EngineArgs
     from pagedq.core import messages
     from pagedq.core.engine_core import EngineCore
+    from pagedq.gc_tuning import freeze_startup_heap
     from worker.tp.leader import TensorParallelError
 
     torch.set_num_threads(settings["torch_threads"])
@@ -46,6 +47,7 @@ def run_core_process(settings: dict) -> None:
         outputs.send(msgspec.json.encode({"error": [type(exc).__name__, str(exc)]}))
         context.destroy(linger=5000)
         return
+    freeze_startup_heap()
     outputs.send(msgspec.json.encode({"info": msgspec.to_builtins(core.info()), "stats": core.stats()}))
     inputs = context.socket(zmq.PULL)
     inputs.connect(settings["inputs_address"])

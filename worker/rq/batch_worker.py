@@ -74,6 +74,7 @@ from rq.utils import now as utcnow
 from rq.worker import BaseWorker, WorkerStatus
 
 from pagedq.front.core_client import EngineDeadError
+from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.metrics import WorkerMetrics
 from pagedq.protocol import GenerationResult, JobPayload
 from pagedq.redis_connection import connect, passing_redis_trouble
@@ -744,7 +745,9 @@ def run_worker(settings: Settings) -> None:
 
     connection = connect(settings.require_redis_url())
     connection.ping()
-    BatchWorker(build_engine(settings), settings, connection).work()
+    worker = BatchWorker(build_engine(settings), settings, connection)
+    freeze_startup_heap()
+    worker.work()
 
 
 def _cache_config(engine) -> dict[str, str]:

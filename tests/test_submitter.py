@@ -1,0 +1,93 @@
+"""api.submitter: submissions made at once share a Redis round trip, each keeps its own
+script call (its own answer, its place in the queue), and one Redis refuses fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import ResponseError
+from rq import Queue
+
+from api.jobs import JobStore, QueueFull
+from api.submitter import Submitter
+from pagedq.protocol import GenerateRequest
+from pagedq.redis_server import RedisServer
+from tests.service_helpers import service_settings
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def _store(redis_server, tmp_path, queue_name: str, **overrides) -> JobStore:
+    settings = service_settings("unused-model", redis_server.url, tmp_path, queue_name=queue_name, **overrides)
+    return JobStore(Redis.from_url(redis_server.url), settings)
+
+
+def _prepared(store: JobStore, count: int):
+    request = GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2)
+    return [store.prepare(request, [1, 2, 3], None, "tenant") for _ in range(count)]
+
+
+async def _enqueue_counting_round_trips(redis_server, jobs) -> tuple[list, int]:
+    connection = AsyncRedis.from_url(redis_server.url)
+    pipelines = []
+    pipeline = connection.pipeline
+    connection.pipeline = lambda *args, **kwargs: pipelines.append(1) or pipeline(*args, **kwargs)
+    try:
+        submitter = Submitter(connection)
+        outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in jobs), return_exceptions=True)
+    finally:
+        await connection.aclose()
+    return outcomes, len(pipelines)
+
+
+def test_a_burst_shares_round_trips_and_each_keeps_its_answer_and_place(redis_server, tmp_path):
+    store = _store(redis_server, tmp_path, "burst", max_queue_depth=5)
+    jobs = _prepared(store, 8)
+    outcomes, round_trips = asyncio.run(_enqueue_counting_round_trips(redis_server, jobs))
+    # One script call each, in arrival order: the depth limit stops exactly the last three.
+    assert outcomes == [1] * 5 + [-1] * 3
+    assert round_trips <= 2  # the first alone at most, then everything that arrived meanwhile
+    assert Queue("burst", connection=store.connection).job_ids == [job.seq_id for job in jobs[:5]]
+    assert [store.settle(job, 1) for job in jobs[:5]] == ["queued"] * 5
+    with pytest.raises(QueueFull):
+        store.settle(jobs[5], outcomes[5])
+
+
+def test_a_call_redis_refuses_fails_that_submission_alone(redis_server, tmp_path):
+    good = _store(redis_server, tmp_path, "fine")
+    broken = _store(redis_server, tmp_path, "broken")
+    # The queue's key holds a string: the script's LLEN on it is refused, for that call only.
+    broken.connection.set(broken.queue.key, "not a list")
+    jobs = [*_prepared(good, 2), *_prepared(broken, 1), *_prepared(good, 2)]
+    outcomes, _ = asyncio.run(_enqueue_counting_round_trips(redis_server, jobs))
+    assert outcomes[:2] == [1, 1] and outcomes[3:] == [1, 1]
+    assert isinstance(outcomes[2], ResponseError)
+    assert Queue("fine", connection=good.connection).count == 4
+
+
+def test_a_waiter_that_goes_away_leaves_the_others_their_answers(redis_server, tmp_path):
+    store = _store(redis_server, tmp_path, "cancel")
+    jobs = _prepared(store, 4)
+
+    async def run() -> list:
+        connection = AsyncRedis.from_url(redis_server.url)
+        try:
+            submitter = Submitter(connection)
+            tasks = [asyncio.create_task(submitter.enqueue(job)) for job in jobs]
+            await asyncio.sleep(0)
+            tasks[1].cancel()  # its client disconnected while the round trip was out
+            return await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            await connection.aclose()
+
+    outcomes = asyncio.run(run())
+    assert isinstance(outcomes[1], asyncio.CancelledError)
+    assert [outcomes[0], *outcomes[2:]] == [1, 1, 1]
