@@ -78,8 +78,15 @@ class StreamHub:
     def __init__(self, connection: AsyncRedis, block_s: float = 1.0):
         self.connection = connection
         self.block_ms = int(block_s * 1000)
-        # XADDed to when a follower joins, so the blocked XREAD returns and takes it in.
+        # XADDed to when a follower joins, so the blocked XREAD returns and takes it in. The
+        # hub reads it from the last wake it saw, not from "$": a wake written while a read
+        # was being sent (that read's streams built before the follower joined) would come
+        # before "$" and be missed, and the newcomer wait a whole block.
         self._wake_key = api_wake_key(uuid.uuid4().hex)
+        self._wake_cursor = "0-0"
+        # A wake is out that the hub has not built a read since: followers joining meanwhile
+        # are in the next read anyway (a burst of streams opening sends one wake, not one each).
+        self._wake_pending = False
         self._followers: dict[str, set[_Follower]] = {}
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
@@ -137,13 +144,15 @@ class StreamHub:
         added. A Redis that refuses the wake-up write (out of memory, read-only) delays the
         newcomer by one blocked read at most: the hub reads every follower's stream again
         each `block_s`."""
-        if self._start():
+        if self._start() or self._wake_pending:
             return
+        self._wake_pending = True
         try:
             await self._wake()
         except RedisError as exc:
             if passing_redis_trouble(exc) is None:
                 raise
+            self._wake_pending = False
             log.info("stream hub: Redis %s; a new follower waits for the next read", passing_redis_trouble(exc))
 
     async def _drop_refused(self, cursors: dict[str, str], exc: ResponseError) -> None:
@@ -173,14 +182,20 @@ class StreamHub:
                     key: min((f.cursor for f in followers), key=_entry_id) for key, followers in self._followers.items()
                 }
                 ended = {ENDED_KEY: self._ended_cursor} if self._ended_cursor is not None else {}
+                self._wake_pending = False
                 try:
-                    reply = await self.connection.xread({**cursors, **ended, self._wake_key: "$"}, count=512, block=self.block_ms)
+                    reply = await self.connection.xread(
+                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self.block_ms
+                    )
                 except ResponseError as exc:
                     # Redis refused one stream's read: only that stream's followers hear of it.
                     await self._drop_refused(cursors, exc)
                     continue
                 for raw_key, raw_entries in reply or []:
                     key = raw_key.decode()
+                    if key == self._wake_key:
+                        self._wake_cursor = raw_entries[-1][0].decode()
+                        continue
                     if key == ENDED_KEY:
                         self._ended_cursor = raw_entries[-1][0].decode()
                         for _, fields in raw_entries:

@@ -12,6 +12,7 @@ mixed configurations would, so a request of n=9 passes the api and only a worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -245,6 +246,39 @@ def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
     refused, batches = asyncio.run(run())
     assert isinstance(refused, ResponseError)
     assert [fields["text"] for batch in batches for _, fields in batch] == ["x", "y"]
+
+
+def test_streams_opened_in_a_burst_join_the_hubs_read_at_once_on_few_wakes(service):
+    """A follower joining while the hub's read is blocked makes it read again at once (well
+    inside its 30 s block), also when the wake lands while a read is being sent; fifty
+    followers joining together send a wake or two, not fifty (each wake is a round trip and
+    a re-read of every stream followed)."""
+    _, _, redis_server = service
+
+    async def run() -> tuple[list, int, float]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        hub = StreamHub(connection, block_s=30)
+        try:
+            async with hub.follow("burst-first", "0-0"):
+                await asyncio.sleep(0.2)  # the hub is blocked in its read of the first stream
+                started = time.monotonic()
+                async with contextlib.AsyncExitStack() as stack:
+                    queues = await asyncio.gather(
+                        *(stack.enter_async_context(hub.follow(f"burst-{i}", "0-0")) for i in range(50))
+                    )
+                    for i in range(50):
+                        await connection.xadd(stream_key(f"burst-{i}"), {"type": "delta", "text": str(i)})
+                    batches = await asyncio.wait_for(asyncio.gather(*(queue.get() for queue in queues)), 10)
+                    took = time.monotonic() - started
+                wakes = (await connection.xinfo_stream(hub._wake_key))["entries-added"]
+                return batches, wakes, took
+        finally:
+            await hub.close()
+            await connection.aclose()
+
+    batches, wakes, took = asyncio.run(run())
+    assert [batch[0][1]["text"] for batch in batches] == [str(i) for i in range(50)]
+    assert took < 5 and 1 <= wakes <= 3
 
 
 def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_status(service):

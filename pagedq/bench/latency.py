@@ -16,6 +16,8 @@ class RequestTiming:
     sent: float
     # Arrival time of each streamed token chunk (one per engine step, normally one token).
     chunk_arrivals: list[float] = field(default_factory=list)
+    # When the service's answer to the submission arrived (pagedq's 202; None: not measured).
+    accepted: float | None = None
     finished: float | None = None
     output_tokens: int = 0
     error: str | None = None
@@ -75,4 +77,6 @@ def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
         "tpot_ms": distribution_ms([t.tpot for t in done if t.tpot is not None]),
         "itl_ms": distribution_ms([gap for t in done for gap in t.inter_token_latencies]),
         "e2e_ms": distribution_ms([t.e2e for t in done]),
+        # How long a submission waited for its answer: the api's share of TTFT under a burst.
+        "accept_ms": distribution_ms([t.accepted - t.sent for t in done if t.accepted is not None]),
     }

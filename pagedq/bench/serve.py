@@ -74,6 +74,7 @@ async def _one_request(
     try:
         async with session.post("/generate", json=body) as response:
             seq_id = (await _json(response, 202, "POST /generate"))["seq_id"]
+        timing.accepted = time.perf_counter()
         if stream:
             await _follow_stream(session, seq_id, timing)
         else:
@@ -246,18 +247,18 @@ def _ms(summary: dict, metric: str, stat: str) -> str:
 def serve_table(serve: dict, offline: dict | None) -> str:
     from pagedq.bench.report import format_table
 
-    header = ["run", "requests", "output tokens", "seconds", "req/s", "output tok/s",
+    header = ["run", "requests", "output tokens", "seconds", "req/s", "output tok/s", "202 p50", "202 p99",
               "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99"]
     rows = [[
         "pagedq serve (HTTP + Redis)", f"{serve['completed']}/{serve['requests']}", str(serve["output_tokens"]),
         f"{serve['duration_s']:.2f}", f"{serve['request_throughput']:.2f}", f"{serve['output_tokens_per_s']:.1f}",
-        *(_ms(serve, metric, stat) for metric in ("ttft_ms", "tpot_ms", "itl_ms") for stat in ("p50", "p99")),
+        *(_ms(serve, metric, stat) for metric in ("accept_ms", "ttft_ms", "tpot_ms", "itl_ms") for stat in ("p50", "p99")),
     ]]
     if offline is not None:
         rows.append([
             "pagedq offline (LLM.generate)", f"{offline['requests']}/{offline['requests']}", str(offline["output_tokens"]),
             f"{offline['seconds']:.2f}", f"{offline['requests'] / offline['seconds']:.2f}",
-            f"{offline['output_tokens_per_s']:.1f}", *["-"] * 6,
+            f"{offline['output_tokens_per_s']:.1f}", *["-"] * 8,
         ])
     return format_table(header, rows) + "\n(latencies in ms)"
 
