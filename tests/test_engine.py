@@ -409,3 +409,16 @@ def test_output_kinds(llama):
         for output in engine.step():
             seen[output.request_id].append(len(output.outputs[0].token_ids))
     assert seen == {"every-step": [1, 2, 3, 4, 5], "final": [5]}
+
+
+def test_compiling_served_shapes_at_start_leaves_no_trace(llama_dir):
+    """ModelRunner.compile_served_shapes, which a CUDA engine runs at start so that Triton
+    compiles every served batch shape's kernels before the first request: each of its
+    batches is a valid step (run here on the CPU kernels), and its garbage, written in the
+    real cache's blocks, changes nothing of what the engine computes after."""
+    llm = LLM(str(llama_dir), dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=64)
+    runner = llm.llm_engine.engine_core.runner
+    runner.compile_served_shapes()
+    prompts = random_prompts(llm.llm_engine.vocab_size)
+    assert generate_ids(llm, prompts, GREEDY) == hf_greedy(llama_dir, prompts, MAX_TOKENS)
+    assert_all_blocks_free(llm.llm_engine)

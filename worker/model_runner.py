@@ -8,6 +8,7 @@ and never waits for the device except to read a step's sampled ids.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -26,6 +27,18 @@ from worker.tp.leader import Ranks
 from worker.tp.messages import MoveBlocks, RunForward
 
 logger = logging.getLogger(__name__)
+
+
+def _uniform_plan(num_seqs: int, query_len: int, context: int, block_size: int) -> StepPlan:
+    """A step of `num_seqs` sequences in rows 0.., each computing its last `query_len` of
+    `context` tokens (token id 0) in blocks 0.. (all of them the same blocks)."""
+    blocks = list(range(-(-context // block_size)))
+    rows = list(range(num_seqs))
+    return StepPlan(
+        rows=rows, starts=[context - query_len] * num_seqs, query_lens=[query_len] * num_seqs,
+        token_ids=[0] * (num_seqs * query_len), pending_at=[], pending_from=[], logits_of=rows,
+        changed_rows=[(row, blocks) for row in rows], owners=[None] * num_seqs,
+    )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,6 +102,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(self.max_blocks_per_seq, self.block_size, self.device, self.vocab_size,
                                       initial_rows=2 * args.max_num_seqs + 8)
+        if self.device.type == "cuda" and self.attention.name == "triton" and not args.stub_forward:
+            self.compile_served_shapes()
         self.sampler = Sampler(
             self.vocab_size, eos_token_ids, generator=torch.Generator(device=self.device).manual_seed(args.seed)
         )
@@ -153,11 +168,9 @@ class ModelRunner:
         scratch_blocks = -(-num_tokens // self.block_size)
         scratch = KVCache.for_model(self.model, self.block_size, self.cache_dtype, scratch_blocks, self.device)
         scratch.bind(self.model)
-        plan = StepPlan(rows=[0], starts=[0], query_lens=[num_tokens], token_ids=[0] * num_tokens, pending_at=[], pending_from=[],
-                        logits_of=[0], changed_rows=[(0, list(range(scratch_blocks)))], owners=[None])
         batch = InputBatch(scratch_blocks, self.block_size, self.device, self.vocab_size, initial_rows=1)
         with torch.inference_mode():
-            self._run_model(batch.prepare(plan, None))
+            self._run_model(batch.prepare(_uniform_plan(1, num_tokens, num_tokens, self.block_size), None))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch
@@ -167,6 +180,35 @@ class ModelRunner:
         sampler_bytes = 4 * self.args.max_num_seqs * self.vocab_size * 4
         total = torch.cuda.get_device_properties(self.device).total_memory
         return max(0, int(total * self.args.gpu_memory_utilization) - peak - sampler_bytes)
+
+    def compile_served_shapes(self) -> None:
+        """One forward of each class of batch a served step can be, so that Triton compiles
+        their kernel variants now rather than in a served step, every running request
+        stalled meanwhile (a fresh H200 spent 0.89 s of its first served run's 2.4 s of
+        steps compiling; the cache sizing's forward and the decode graphs' capture cover
+        one prefill shape and pure decode only). The attention kernel's variants follow
+        the batch's longest query (its row tiles), its number of sequences and its longest
+        context (how many slices a context is split into): powers of two of each, within
+        the step's token budget. The batches are garbage in the real cache's blocks, which
+        no request holds yet; the block table is as wide as the engine's, so every stride
+        is specialised as in service. Later starts find the variants in Triton's disk cache."""
+        budget = self.args.max_num_batched_tokens
+        longest = min(self.max_model_len, self.num_blocks * self.block_size, 4096)
+        contexts = sorted({min(longest, 128 << i) for i in range(6)})
+        batch = InputBatch(self.max_blocks_per_seq, self.block_size, self.device, self.vocab_size,
+                           initial_rows=self.args.max_num_seqs)
+        started, forwards = time.perf_counter(), 0
+        with torch.inference_mode():
+            for query_len in (1, 2, 4, 8, 16, 32, 64):
+                num_seqs = 1
+                while num_seqs <= self.args.max_num_seqs and num_seqs * query_len <= budget:
+                    for context in contexts:
+                        if context >= query_len:
+                            self._run_model(batch.prepare(_uniform_plan(num_seqs, query_len, context, self.block_size), None))
+                            forwards += 1
+                    num_seqs *= 2
+        self.synchronize()
+        logger.info("compiled the kernels of served batch shapes: %d forwards in %.1f s", forwards, time.perf_counter() - started)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.args.enforce_eager or self.attention.name != "triton" or self.args.stub_forward:
