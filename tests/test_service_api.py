@@ -285,6 +285,23 @@ def test_queue_over_its_limit_gets_429_with_retry_after(model, redis_server, tmp
         server.stop()
 
 
+def test_a_completion_whose_prompts_do_not_all_fit_queues_none_of_them(model, redis_server, tmp_path):
+    """Several prompts in one /v1/completions request are queued together (one round trip):
+    room for two of three answers 429 and cancels the two queued, so nothing runs for an
+    answer the client never got; the queue has its room back."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="openai-room", max_queue_depth=2)
+    server = ApiServer(settings).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            response = client.post("/v1/completions", json={"model": str(model), "prompt": ["a", "b", "c"], "max_tokens": 2})
+            assert response.status_code == 429, response.text
+            assert "queue is full" in response.json()["error"]["message"]
+            assert Queue("openai-room", connection=Redis.from_url(redis_server.url)).count == 0
+            assert client.post("/generate", json={"prompt": "after"}).status_code == 202
+    finally:
+        server.stop()
+
+
 def test_generation_config_sets_the_defaults_of_omitted_sampling_fields(model, redis_server, tmp_path):
     """As vLLM's default `--generation-config auto`: the checkpoint's temperature, top_p,
     top_k, min_p, repetition_penalty apply where a request leaves them out."""
