@@ -11,7 +11,7 @@ from redis import Redis
 from rq.registry import CanceledJobRegistry
 
 from api.auth import ANYONE
-from api.jobs import AlreadyFinished, JobStore
+from api.jobs import ENQUEUE_SCRIPT, AlreadyFinished, JobStore
 from api.retention import sweep
 from pagedq.protocol import GenerateRequest
 from pagedq.redis_schema import BATCHES_KEY, FILES_KEY, batch_queue_name, tenant_batches_key
@@ -29,8 +29,14 @@ def redis(tmp_path_factory):
 
 
 def submit(store: JobStore, count: int) -> list[str]:
+    """Queue `count` jobs as the api does (its submitter sends ENQUEUE_SCRIPT; here, one call each)."""
     request = GenerateRequest(prompt="hi", max_tokens=4)
-    return [store.submit(request, [5, 6], None, owner=ANYONE.tenant)[0] for _ in range(count)]
+    seq_ids = []
+    for _ in range(count):
+        job = store.prepare(request, [5, 6], None, owner=ANYONE.tenant)
+        assert store.settle(job, store.connection.eval(ENQUEUE_SCRIPT, len(job.keys), *job.keys, *job.args)) == "queued"
+        seq_ids.append(job.seq_id)
+    return seq_ids
 
 
 def test_canceled_queued_jobs_expire_one_by_one_and_in_bulk(redis, tiny_model_dir):
