@@ -20,7 +20,7 @@ replaces the work loop. One tick:
    for other workers): from the interactive queue first, then from the batch queue
    (redis_schema.batch_queue_name), whose jobs never fill the slots reserved for
    interactive ones (`reserved_interactive_slots`). The I/O thread then marks the new
-   jobs started in one transaction;
+   jobs started in one transaction (worker/rq/job_starts.py);
 4. step the engine once, while that round trip runs: the engine never waits for Redis.
    If the round trip is still out after the step (Redis, the api and the clients share
    the machine's cores), the next tick steps again without sending: what the steps
@@ -31,6 +31,8 @@ replaces the work loop. One tick:
    a job named by RQ's stop-job command fails as STOPPED; finished jobs are forgotten; the
    started ones go to the engine (or, idle, block on the queue for a second). The engine
    waits for a round trip only when it has nothing to compute.
+
+What the worker keeps per job and per round trip is in worker/rq/inflight.py.
 
 Every write for a job is fenced: it happens only if the job's execution still owns it,
 checked in the same script (redis_schema's owns()), so a worker that stalled past its
@@ -56,15 +58,13 @@ import json
 import math
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import redis.exceptions
 from redis import Redis
 from rq import worker_registration
 from rq.command import parse_payload
-from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
@@ -76,29 +76,26 @@ from rq.worker import BaseWorker, WorkerStatus
 from pagedq.front.core_client import EngineDeadError
 from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.metrics import WorkerMetrics
-from pagedq.protocol import GenerationResult, JobPayload
+from pagedq.protocol import GenerationResult
 from pagedq.redis_connection import connect, passing_redis_trouble
 from pagedq.redis_schema import (
-    JOB_FUNCTION,
-    InvalidJob,
-    Progress,
     RequestFailed,
     batch_queue_name,
     cancels_key,
     expire_canceled,
     publish_end,
     queue_fenced_commands,
-    record_execution,
 )
 from pagedq.settings import Settings
-from worker.rq.publisher import ProgressPublisher, Sending, start_progress
+from worker.rq.inflight import InFlight, PendingSync, Started
+from worker.rq.job_starts import start_jobs
+from worker.rq.publisher import ProgressPublisher
 from worker.rq.reaper import Reaper
 from worker.rq.round_trip import CheckedJob, RoundTripReplies, SyncAnswer, call_sync
 from worker.rq.step_heartbeats import StepHeartbeats
 
 if TYPE_CHECKING:
     from pagedq.front.llm_engine import LLMEngine
-    from pagedq.outputs import RequestOutput
 
 # How long an idle worker waits for a job (or sleeps while suspended) before its next tick.
 _IDLE_WAIT_S = 1.0
@@ -110,50 +107,6 @@ _MAX_STEP_S = 600.0
 
 class JobStopped(Exception):
     """The job was stopped with RQ's stop-job command."""
-
-
-@dataclass
-class InFlight:
-    job: Job
-    queue: Queue
-    execution: Execution
-    payload: JobPayload
-    started_at: float
-    # The engine's final output and the result made of it, kept until RQ has recorded the result.
-    final: RequestOutput | None = None
-    result: GenerationResult | None = None
-    # Why the request failed alone (its result is then never built).
-    error: str | None = None
-    # For the inter-token latency: tokens seen so far, and when the last one came.
-    num_tokens: int = 0
-    last_token_at: float = 0.0
-
-    @property
-    def request_id(self) -> str:
-        return self.execution.id
-
-
-@dataclass
-class _Started:
-    """A job the I/O thread marked started, for the engine thread to hand to the engine."""
-
-    job: Job
-    execution: Execution
-    payload: JobPayload | None = None
-    progress: Progress | None = None
-    # Its payload could not be read: the job fails (never retried).
-    error: tuple | None = None
-
-
-@dataclass
-class _PendingSync:
-    """One round trip on its way: what it carries, and its future (replies, jobs started)."""
-
-    checked: list[InFlight]
-    full: bool
-    sending: Sending = field(default_factory=Sending)
-    finishing: list[InFlight] = field(default_factory=list)
-    future: Future | None = None
 
 
 class BatchWorker(BaseWorker):
@@ -197,7 +150,7 @@ class BatchWorker(BaseWorker):
         # Runs each tick's Redis round trip while the engine steps.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
         # The round trip on the I/O thread, until its answer is taken (one at a time).
-        self._pending: _PendingSync | None = None
+        self._pending: PendingSync | None = None
         # Beats while a step runs longer than the loop's beats allow (worker/rq/step_heartbeats.py).
         self._step_heartbeats = StepHeartbeats(lambda: self._heartbeat(engine_stats=False),
                                                settings.heartbeat_ttl_s / 3, _MAX_STEP_S, self.log)
@@ -355,7 +308,7 @@ class BatchWorker(BaseWorker):
         """One round trip, waited for (see _send_sync)."""
         self._complete_sync(self._send_sync(admit, full))
 
-    def _send_sync(self, admit: bool = True, full: bool = False) -> _PendingSync:
+    def _send_sync(self, admit: bool = True, full: bool = False) -> PendingSync:
         """Queue one round trip and start it on the I/O thread: the step's deltas and
         partial results (fenced), the results of the jobs it finished (RQ's success
         writes, fenced, then each stream's "end"), the engine stats, and SYNC_SCRIPT: the
@@ -377,7 +330,7 @@ class BatchWorker(BaseWorker):
             # Jobs the engine has finished are recorded in this round trip: their slots are free already.
             take = max(0, self.capacity - len(running))
             batch_take = max(0, self.batch_capacity - sum(entry.queue is self.batch_queue for entry in running))
-        pending = _PendingSync(checked=running if full else [], full=full)
+        pending = PendingSync(checked=running if full else [], full=full)
         by_job_id = {entry.job.id: entry for entry in entries}
         pipeline = self.connection.pipeline(transaction=False)
         pending.sending = self.publisher.publish(pipeline, lambda job_id: by_job_id[job_id].execution.composite_key)
@@ -395,7 +348,7 @@ class BatchWorker(BaseWorker):
                          [CheckedJob(entry.job.key, entry.queue.started_job_registry.key, entry.execution.composite_key)
                           for entry in checked], self.name)
 
-    def _run_sync(self, pipeline, pending: _PendingSync) -> tuple[RoundTripReplies, list[_Started], Exception | None]:
+    def _run_sync(self, pipeline, pending: PendingSync) -> tuple[RoundTripReplies, list[Started], Exception | None]:
         """On the I/O thread: the round trip, then the start of the jobs it took. Each
         command's reply comes back on its own, a refusal in its place (raise_on_error
         off): a script Redis refused wrote nothing (Redis refuses a script at its first
@@ -415,7 +368,7 @@ class BatchWorker(BaseWorker):
                 raise
             return replies, [], exc
 
-    def _complete_sync(self, pending: _PendingSync) -> bool:
+    def _complete_sync(self, pending: PendingSync) -> bool:
         """Wait for the round trip and act on what it says; True if jobs were started."""
         try:
             replies, started, start_error = pending.future.result()
@@ -481,43 +434,11 @@ class BatchWorker(BaseWorker):
             for item in self._start_jobs([as_text(first)]):
                 self._hand_to_engine(item)
 
-    def _start_jobs(self, ids: list[str]) -> list[_Started]:
-        """Mark the taken jobs started in one transaction, with each one's first progress
-        (its attempt number; a "reset" event on a rerun): RQ's bookkeeping only, no
-        engine (this runs on the I/O thread)."""
-        with self.connection.pipeline() as pipeline:
-            while True:
-                try:
-                    # A cancel landing between our read and write must win, not be overwritten.
-                    pipeline.watch(*(Job.key_for(i) for i in ids))
-                    jobs = Job.fetch_many(ids, self.connection, serializer=self.serializer)
-                    pipeline.multi()
-                    started: list[_Started] = []
-                    for job_id, job in zip(ids, jobs):
-                        queues = [self._queues_by_name.get(job.origin, self.queue)] if job is not None else self.queues
-                        for queue in queues:
-                            pipeline.lrem(queue.intermediate_queue_key, 1, job_id)
-                        if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
-                            continue  # deleted or canceled while in transit
-                        execution = Execution.create(job, self.settings.heartbeat_ttl_s, pipeline, worker_name=self.name)
-                        job.prepare_for_execution(self.name, pipeline)
-                        record_execution(pipeline, job, execution.composite_key)
-                        item = _Started(job, execution)
-                        try:
-                            if job.func_name != JOB_FUNCTION:
-                                raise InvalidJob(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
-                            item.payload = JobPayload.read(job.kwargs)
-                            item.progress = start_progress(pipeline, job, len(item.payload.prompt_token_ids), self.settings.stream_ttl_s)
-                        except Exception:
-                            item.error = sys.exc_info()
-                        started.append(item)
-                    self.set_state(WorkerStatus.BUSY, pipeline)
-                    pipeline.execute()
-                    return started
-                except redis.exceptions.WatchError:
-                    continue
+    def _start_jobs(self, ids: list[str]) -> list[Started]:
+        return start_jobs(self.connection, ids, self.queues, self.serializer, self.name, self.settings.heartbeat_ttl_s,
+                          self.settings.stream_ttl_s, lambda pipeline: self.set_state(WorkerStatus.BUSY, pipeline))
 
-    def _hand_to_engine(self, item: _Started) -> None:
+    def _hand_to_engine(self, item: Started) -> None:
         job, execution = item.job, item.execution
         queue = self._queues_by_name.get(job.origin, self.queue)
         self.executions[execution.id] = execution
