@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from api.jobs import ENQUEUE_SCRIPT, PreparedJob
 
@@ -49,6 +50,11 @@ class Submitter:
                         pipeline.eval(ENQUEUE_SCRIPT, len(prepared.keys), *prepared.keys, *prepared.args)
                     replies = await pipeline.execute(raise_on_error=False)
             except Exception as exc:  # the round trip failed: every submission in it hears of it
+                if isinstance(exc, (OSError, RuntimeError)):
+                    # A connection torn down under it (Redis restarting): uvloop's closed
+                    # transport raises RuntimeError, which redis-py does not wrap. Said as
+                    # Redis being away (503, retry), as the sync client says it, not as a crash.
+                    exc = RedisConnectionError(f"the round trip to Redis broke off: {exc!r}")
                 replies = [exc] * len(batch)
             for (_, future), reply in zip(batch, replies):
                 if future.done():  # its waiter was cancelled
