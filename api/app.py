@@ -38,7 +38,7 @@ from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
 from pagedq.structured_outputs_params import preload_grammar_engine
-# Longer than any blocking read the api makes (StreamReader.poll_s).
+# Longer than any blocking read the api makes (the stream hub's block_s).
 _REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
 
 

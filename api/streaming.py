@@ -3,7 +3,9 @@
 A job's stream is written by whichever worker runs it, so any api replica can relay it,
 and an SSE client resumes with Last-Event-ID (a stream entry id). A job can end without
 an "end" entry (a worker died, RQ failed it, a plain `rq worker` ran it), so every quiet
-`poll_s` the job's status is checked too.
+`poll_s` the job's status is checked too: by the hub, for every quiet stream and waiter at
+once in one pipeline (a status read of its own per stream, and a timer per wait, were a
+tenth of the api's CPU with a few hundred streams open).
 
 One `StreamHub` per api process follows every stream its clients wait on with a single
 blocking XREAD: an XREAD per client would cost a Redis round trip per token per client,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 import re
 import time
@@ -67,17 +70,31 @@ def _entry_id(text: str) -> tuple[int, int]:
     return int(milliseconds), int(sequence)
 
 
+@dataclass(frozen=True)
+class Quiet:
+    """Nothing came on a followed stream for the hub's `quiet_s`: the job's state, read then."""
+
+    state: JobState | None
+
+
 @dataclass(eq=False)
 class _Follower:
+    seq_id: str
     cursor: str
-    # Batches of new entries, or the exception that stopped the hub.
-    batches: asyncio.Queue[list[Entry] | Exception] = field(default_factory=asyncio.Queue)
+    # Batches of new entries, Quiet ticks, or the exception that stopped the hub.
+    batches: asyncio.Queue[list[Entry] | Quiet | Exception] = field(default_factory=asyncio.Queue)
+    # When it was last given something (monotonic).
+    fed_at: float = field(default_factory=time.monotonic)
 
 
 class StreamHub:
-    def __init__(self, connection: AsyncRedis, block_s: float = 1.0):
+    def __init__(self, connection: AsyncRedis, block_s: float = 1.0, quiet_s: float | None = None):
+        """`quiet_s`: a follower given nothing for this long gets a Quiet tick, and an end
+        waiter's job whose status is terminal (or gone) is woken, checked this often (None:
+        neither; the caller looks for itself)."""
         self.connection = connection
         self.block_ms = int(block_s * 1000)
+        self.quiet_s = quiet_s
         # XADDed to when a follower joins, so the blocked XREAD returns and takes it in. The
         # hub reads it from the last wake it saw, not from "$": a wake written while a read
         # was being sent (that read's streams built before the follower joined) would come
@@ -90,6 +107,8 @@ class StreamHub:
         self._followers: dict[str, set[_Follower]] = {}
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
+        # When each end waiter's job is next checked (monotonic), with quiet_s.
+        self._check_at: dict[str, float] = {}
         self._ended_cursor: str | None = None
         self._task: asyncio.Task | None = None
 
@@ -97,7 +116,7 @@ class StreamHub:
     async def follow(self, seq_id: str, cursor: str) -> AsyncIterator[asyncio.Queue[list[Entry] | Exception]]:
         """A queue of the stream's entries after `cursor`, in batches, while the context lasts."""
         key = stream_key(seq_id)
-        follower = _Follower(cursor)
+        follower = _Follower(seq_id, cursor)
         self._followers.setdefault(key, set()).add(follower)
         try:
             await self._take_in()
@@ -115,6 +134,8 @@ class StreamHub:
         caller checks the job's status too, after entering and now and then."""
         ended = asyncio.Event()
         self._enders.setdefault(seq_id, set()).add(ended)
+        if self.quiet_s is not None:
+            self._check_at.setdefault(seq_id, time.monotonic() + self.quiet_s)
         try:
             if self._ended_cursor is None:
                 last = await self.connection.xrevrange(ENDED_KEY, count=1)
@@ -131,6 +152,7 @@ class StreamHub:
             enders.discard(ended)
             if not enders:
                 self._enders.pop(seq_id, None)
+                self._check_at.pop(seq_id, None)
 
     def _start(self) -> bool:
         """Start the hub unless it is running; whether it was started."""
@@ -175,6 +197,43 @@ class StreamHub:
             pipeline.expire(self._wake_key, 60)
             await pipeline.execute()
 
+    def _block_ms(self) -> int:
+        """How long the next read may block: until the first quiet check falls due, at most block_s."""
+        if self.quiet_s is None:
+            return self.block_ms
+        due = min(
+            [follower.fed_at + self.quiet_s for followers in self._followers.values() for follower in followers]
+            + list(self._check_at.values()),
+            default=math.inf,
+        )
+        # At least 1 ms: 0 would block for ever.
+        return max(1, min(self.block_ms, math.ceil((due - time.monotonic()) * 1000)))
+
+    async def _check_quiet(self) -> None:
+        """Read, in one pipeline, the status of every job whose stream has been quiet for
+        quiet_s or whose end waiters are due a check; tell each quiet follower its job's
+        state, and wake the waiters of jobs that ended (or are gone) without an "end"."""
+        now = time.monotonic()
+        quiet = [follower for followers in self._followers.values() for follower in followers
+                 if now - follower.fed_at >= self.quiet_s]
+        due = [seq_id for seq_id, at in self._check_at.items() if now >= at]
+        if not quiet and not due:
+            return
+        seq_ids = list(dict.fromkeys([follower.seq_id for follower in quiet] + due))
+        async with self.connection.pipeline(transaction=False) as pipeline:
+            for seq_id in seq_ids:
+                pipeline.hget(Job.key_for(seq_id), "status")
+            states = dict(zip(seq_ids, map(job_state, await pipeline.execute())))
+        for follower in quiet:
+            follower.fed_at = now
+            follower.batches.put_nowait(Quiet(states[follower.seq_id]))
+        for seq_id in due:
+            if seq_id in self._check_at:
+                self._check_at[seq_id] = now + self.quiet_s
+            if states[seq_id] is None or states[seq_id] in TERMINAL:
+                for waiter in self._enders.get(seq_id, ()):
+                    waiter.set()
+
     async def _run(self) -> None:
         try:
             while self._followers or self._enders:
@@ -185,7 +244,7 @@ class StreamHub:
                 self._wake_pending = False
                 try:
                     reply = await self.connection.xread(
-                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self.block_ms
+                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self._block_ms()
                     )
                 except ResponseError as exc:
                     # Redis refused one stream's read: only that stream's followers hear of it.
@@ -203,12 +262,16 @@ class StreamHub:
                                 waiter.set()
                         continue
                     entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
+                    now = time.monotonic()
                     for follower in self._followers.get(key, ()):
                         cursor = _entry_id(follower.cursor)
                         new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
                         if new:
                             follower.cursor = new[-1][0]
+                            follower.fed_at = now
                             follower.batches.put_nowait(new)
+                if self.quiet_s is not None:
+                    await self._check_quiet()
         except Exception as exc:  # Redis gone (or a bug): every follower learns of it, none hangs
             if passing_redis_trouble(exc) is None:
                 log.exception("stream hub failed")
@@ -228,10 +291,9 @@ class StreamHub:
 class StreamReader:
     def __init__(self, connection: AsyncRedis, poll_s: float = 0.5, outage_grace_s: float = 30.0):
         self.connection = connection
-        self.poll_s = poll_s
         # How long a stream waits out Redis trouble before it gives up (see relay()).
         self.outage_grace_s = outage_grace_s
-        self.hub = StreamHub(connection)
+        self.hub = StreamHub(connection, quiet_s=poll_s)
 
     async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
         """The job's state, None when there is no such job or it is another tenant's."""
@@ -241,26 +303,25 @@ class StreamReader:
     async def state(self, seq_id: str) -> JobState | None:
         return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))
 
-    async def _next(self, batches: asyncio.Queue, timeout_s: float) -> list[Entry] | None:
-        """Every entry queued, waiting up to `timeout_s` for the first; None without one.
-        A reader that fell behind takes all its batches at once (read_events then merges
-        their deltas into one event: fewer, larger writes when the api is the bottleneck)."""
-        if batches.empty():
-            try:
-                async with asyncio.timeout(timeout_s):
-                    batch = await batches.get()
-            except TimeoutError:
-                return None
-        else:
-            batch = batches.get_nowait()
+    @staticmethod
+    async def _next(batches: asyncio.Queue) -> tuple[list[Entry], Quiet | None]:
+        """Every entry queued (waiting for the first batch or Quiet tick), and the last Quiet
+        tick among them. A reader that fell behind takes all its batches at once (read_events
+        then merges their deltas into one event: fewer, larger writes when the api is the
+        bottleneck)."""
+        item = await batches.get()
         entries: list[Entry] = []
+        quiet = None
         while True:
-            if isinstance(batch, Exception):
-                raise batch
-            entries += batch
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Quiet):
+                quiet = item
+            else:
+                entries += item
             if batches.empty():
-                return entries
-            batch = batches.get_nowait()
+                return entries, quiet
+            item = batches.get_nowait()
 
     async def events(self, seq_id: str, last_event_id: str | None) -> AsyncIterator[str]:
         """SSE frames: `delta` {index, text, num_tokens} (output `index`'s new text and its
@@ -306,14 +367,13 @@ class StreamReader:
         async with self.hub.follow(seq_id, cursor) as batches:
             terminal_seen = False
             while True:
-                batch = await self._next(batches, self.poll_s)
-                if batch is None:
+                batch, quiet = await self._next(batches)
+                if not batch:
                     if terminal_seen:
                         # Ended without an "end" entry, and everything written has been relayed.
-                        yield [("end", {"status": await self.state(seq_id), "finish_reason": None}, None)]
+                        yield [("end", {"status": quiet.state, "finish_reason": None}, None)]
                         return
-                    state = await self.state(seq_id)
-                    terminal_seen = state is None or state in TERMINAL
+                    terminal_seen = quiet.state is None or quiet.state in TERMINAL
                     continue
                 events = read_events(batch)
                 yield events
@@ -321,18 +381,15 @@ class StreamReader:
                     return
 
     async def wait_until_done(self, seq_id: str, timeout_s: float) -> None:
-        """Return when the job is terminal or `timeout_s` has passed: woken by its end, and
-        checking its status every quiet `poll_s` for a job that ends without one."""
+        """Return when the job is terminal or `timeout_s` has passed: woken by its end, or
+        by the hub's status check every `poll_s` for a job that ends without one."""
         deadline = time.monotonic() + timeout_s
         async with self.hub.until_end(seq_id) as ended:
-            while True:
-                state = await self.state(seq_id)
-                remaining = deadline - time.monotonic()
-                if state is None or state in TERMINAL or remaining <= 0:
-                    return
-                try:
-                    async with asyncio.timeout(min(self.poll_s, remaining)):
-                        await ended.wait()
-                    return
-                except TimeoutError:
-                    continue
+            state = await self.state(seq_id)
+            if state is None or state in TERMINAL:
+                return
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await ended.wait()
+            except TimeoutError:
+                return
