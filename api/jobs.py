@@ -31,12 +31,15 @@ from pagedq.redis_schema import (
     ENDED_MAXLEN,
     JOB_FUNCTION,
     OWNER_META_KEY,
+    Entry,
     InvalidJob,
     JobState,
+    Partial,
     batch_queue_name,
     cancels_key,
     failure_line,
     job_state,
+    read_partial,
     read_progress,
     stream_key,
 )
@@ -252,14 +255,16 @@ class JobStore:
                 beams=result.beams, usage=result.usage, timings=result.timings,
             )
         progress = read_progress(job)
-        timings.first_token = progress.first_token
+        # Nothing in the stream before the job first starts.
+        partial = read_partial(self._stream_entries(seq_id)) if progress.attempt or state != "queued" else Partial()
+        timings.first_token = partial.first_token
         usage = None
         if progress.attempt or state == "running":
             # A job just started may not have its first progress written yet: its payload knows the prompt.
             prompt_tokens = progress.prompt_tokens or _prompt_tokens(job)
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(progress.token_ids))
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(partial.token_ids))
         response = ResultResponse(
-            seq_id=seq_id, status=state, text=progress.text, token_ids=progress.token_ids, timings=timings, usage=usage,
+            seq_id=seq_id, status=state, text=partial.text, token_ids=partial.token_ids, timings=timings, usage=usage,
         )
         if state == "canceled":
             response.finish_reason = "abort"
@@ -267,6 +272,10 @@ class JobStore:
             response.error = self.failure_message(job)
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
         return response
+
+    def _stream_entries(self, seq_id: str) -> list[Entry]:
+        return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
+                for entry_id, fields in self.connection.xrange(stream_key(seq_id))]
 
     def cancel(self, seq_id: str, caller: Caller) -> ResultResponse | None:
         job = self._fetch(seq_id, caller)

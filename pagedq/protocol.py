@@ -110,8 +110,10 @@ class JobPayload(ValidInput):
     beam: BeamSearchParams | None = None
     priority: int = 0
     enqueued_at: float
-    # False: no text deltas go to the job's Redis stream (batch lines: nobody follows them,
-    # and ten thousand streams of every token would only fill Redis).
+    # False: nobody follows the job's tokens as they come (a batch line, a polling client):
+    # its deltas (its partial result) go to its Redis stream every progress_interval_s, not
+    # every step, and are dropped when it finishes (ten thousand streams of every token
+    # would only fill Redis; its result holds them all).
     stream: bool = True
 
     @property

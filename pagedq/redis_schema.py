@@ -15,9 +15,10 @@ and the parts of RQ's records that we define:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from redis.client import Pipeline
 from rq.job import Job, JobStatus
 
@@ -76,24 +77,18 @@ def failure_line(exc_type: type[BaseException]) -> str:
 
 
 class Progress(BaseModel):
-    """The partial result of a running job, kept in job.meta."""
+    """How a job's current attempt started, kept in job.meta (written once per attempt). What
+    it has produced so far is in its stream (read_partial)."""
 
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
     prompt_tokens: int = 0
-    first_token: float | None = None
     # 1 for the first run; a requeued job (its worker died) starts over with attempt 2, ...
     attempt: int = 0
 
 
-def meta_with(job: Job, progress: Progress) -> bytes:
-    """The job's serialized meta (what job.save_meta() writes) with this progress in it."""
-    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
-    return job.serializer.dumps(job.meta)
-
-
 def write_progress(pipeline: Pipeline, job: Job, progress: Progress) -> None:
-    pipeline.hset(job.key, "meta", meta_with(job, progress))
+    """Queue the job's meta (what job.save_meta() writes) with this progress in it."""
+    job.meta[PROGRESS_META_KEY] = progress.model_dump(mode="json")
+    pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))
 
 
 def read_progress(job: Job) -> Progress:
@@ -197,21 +192,23 @@ def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
     pipeline.hset(job.key, EXECUTION_FIELD, composite_key)
 
 
-# Writes one engine step's deltas and partial results in one round trip, whatever the
-# number of jobs: on a small model the worker's Redis traffic would otherwise cost as much
-# as the step itself.
+# Writes one engine step's deltas in one round trip, whatever the number of jobs: on a
+# small model the worker's Redis traffic would otherwise cost as much as the step itself.
+# A job's stream is also its partial result (read_partial): each token travels once, in
+# the delta that carries it, and nothing is rewritten as the job grows.
 # KEYS: per job, its hash and its stream. ARGV: the stream TTL, then per job: its
-# execution's composite key (owns() above), its serialized job.meta ('' when no partial
-# result is due), its number of deltas (a job with n > 1 outputs has one per output) and
-# DELTA_ARGS per delta: (index, text, num_tokens, new, logprobs, check). `logprobs` is ""
+# execution's composite key (owns() above), its number of deltas (a job with n > 1 outputs
+# has one per output) and DELTA_ARGS per delta: (index, text, num_tokens, new, logprobs,
+# check, ids, first_token). `ids`: the delta's token ids, comma-separated. `logprobs` is ""
 # unless the job asked for them: then the JSON list of the delta's new tokens (the delta
-# event's `logprobs` field). A stream's TTL is set by its first delta (new = 1) and kept by
-# XADD. `check` = 1: an earlier send's reply was lost, so the stream may hold this delta
+# event's `logprobs` field). An attempt's first delta (new = 1) carries `first_token` (when
+# the attempt's first token came, Unix seconds) and sets the stream's TTL, which XADD then
+# keeps. `check` = 1: an earlier send's reply was lost, so the stream may hold this delta
 # already; it is written only if the output's last delta in the stream (since its last
 # reset) counts fewer tokens. The worker splits such text where each uncertain send ended,
 # so each piece is either wholly in the stream or wholly not. A job whose execution no
 # longer owns it gets nothing written; the script returns those jobs' positions (1-based).
-DELTA_ARGS = 6
+DELTA_ARGS = 8
 PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
 -- num_tokens of output `index`'s last delta in the stream since its last reset (0: none).
 local function tokens_in(stream, index)
@@ -231,9 +228,9 @@ end
 local ttl, at, lost = ARGV[1], 2, {{}}
 for j = 1, #KEYS / 2 do
     local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
-    local execution, meta, deltas = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
+    local execution, deltas = ARGV[at], tonumber(ARGV[at + 1])
     local mine = owns(job_key, execution)
-    at = at + 3
+    at = at + 2
     if not mine then
         lost[#lost + 1] = j
         at = at + {DELTA_ARGS} * deltas
@@ -243,22 +240,22 @@ for j = 1, #KEYS / 2 do
             local index, num_tokens = ARGV[at], tonumber(ARGV[at + 2])
             if ARGV[at + 5] == '1' and held[index] == nil then held[index] = tokens_in(stream, index) end
             if held[index] == nil or num_tokens > held[index] then
-                if ARGV[at + 4] == '' then
-                    redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', index, 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2])
-                else
-                    redis.call('XADD', stream, '*', 'type', '{EVENT_DELTA}', 'index', index, 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
-                               'logprobs', ARGV[at + 4])
+                local fields = {{'type', '{EVENT_DELTA}', 'index', index, 'text', ARGV[at + 1], 'num_tokens', ARGV[at + 2],
+                                'ids', ARGV[at + 6]}}
+                if ARGV[at + 4] ~= '' then
+                    fields[#fields + 1] = 'logprobs'
+                    fields[#fields + 1] = ARGV[at + 4]
                 end
+                if ARGV[at + 3] == '1' then
+                    fields[#fields + 1] = 'first_token'
+                    fields[#fields + 1] = ARGV[at + 7]
+                end
+                redis.call('XADD', stream, '*', unpack(fields))
                 if ARGV[at + 3] == '1' then
                     redis.call('EXPIRE', stream, ttl)
                 end
             end
             at = at + {DELTA_ARGS}
-        end
-        -- A meta is written only if the job still exists: a write to a deleted job would
-        -- recreate its hash (owns() has seen it exist, unless unfenced).
-        if meta ~= '' and (execution ~= '' or redis.call('EXISTS', job_key) == 1) then
-            redis.call('HSET', job_key, 'meta', meta)
         end
     end
 end
@@ -325,6 +322,35 @@ def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s:
 Entry = tuple[str, dict[str, str]]
 # (kind, data, entry id): `delta` {index, text, num_tokens[, logprobs]}, `reset` {attempt}, `end` {status, finish_reason}.
 Event = tuple[str, dict, str | None]
+
+
+@dataclass
+class Partial:
+    """What a job's current attempt has produced so far (its first output), from its stream."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    first_token: float | None = None
+
+
+def read_partial(entries: list[Entry]) -> Partial:
+    """The partial result in a job's stream entries (all of them, oldest first): output 0's
+    deltas since the last reset, and when the first token of any output came."""
+    partial, texts = Partial(), []
+    for _, fields in entries:
+        kind = fields.get("type")
+        if kind == EVENT_RESET:
+            partial, texts = Partial(), []
+        elif kind == EVENT_DELTA:
+            if partial.first_token is None and fields.get("first_token"):
+                partial.first_token = float(fields["first_token"])  # on the attempt's first delta, of any output
+            if fields.get("index") == "0":
+                texts.append(fields.get("text", ""))
+                ids = fields.get("ids", "")
+                if ids:
+                    partial.token_ids += map(int, ids.split(","))
+    partial.text = "".join(texts)
+    return partial
 
 
 def read_events(batch: list[Entry]) -> list[Event]:

@@ -138,7 +138,10 @@ class Settings(BaseSettings):
     max_inflight: int = Field(256, ge=1, description="Jobs one worker holds at once (also bounded by the engine).")
     heartbeat_ttl_s: int = Field(15, ge=2, description="A dead worker's jobs are requeued this long after its last beat.")
     reaper_interval_s: float = Field(2.0, gt=0)
-    progress_interval_s: float = Field(0.2, ge=0, description="Min seconds between partial-result writes per job.")
+    progress_interval_s: float = Field(
+        0.2, ge=0, description="Min seconds between the deltas (the partial result) of a job nobody streams "
+        "(JobPayload.stream false: OpenAI calls without stream, batch lines).",
+    )
     stream_interval_s: float = Field(
         0.0, ge=0, description="Min seconds between one job's streamed deltas after its first token (0: every engine step)."
     )

@@ -411,6 +411,46 @@ def test_output_kinds(llama):
     assert seen == {"every-step": [1, 2, 3, 4, 5], "final": [5]}
 
 
+def test_deferred_outputs_are_built_when_asked_and_agree_with_every_steps(llama):
+    """step(defer_outputs=True) returns only finished requests; deferred_outputs() then gives
+    each running request that moved on one output, with everything up to now (CUMULATIVE) or
+    everything new since its last one (DELTA), the same text as outputs built every step."""
+    from pagedq.outputs import RequestOutputKind
+
+    engine = llama.llm_engine
+    prompt = {"prompt_token_ids": [4, 5, 6, 7]}
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    engine.add_request("reference", prompt, params)
+    reference = []
+    while engine.has_unfinished_requests():
+        reference += [output.outputs[0] for output in engine.step()]
+    engine.add_request("cumulative", prompt, params)
+    engine.add_request("delta", prompt, params, output_kind=RequestOutputKind.DELTA)
+    seen: dict[str, list] = {"cumulative": [], "delta": []}
+    finished = []
+    step = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step(defer_outputs=True)
+        assert all(output.finished for output in outputs)
+        finished += [output.request_id for output in outputs]
+        step += 1
+        if step % 3 == 0:  # a look every third step
+            for output in engine.deferred_outputs():
+                seen[output.request_id].append(output.outputs[0])
+        for output in outputs:
+            seen[output.request_id].append(output.outputs[0])
+    assert sorted(finished) == ["cumulative", "delta"] and engine.deferred_outputs() == []
+    # One output a look (3 steps: 3 tokens, or 2 for the first look of an overlapped engine,
+    # whose steps return a step late), the last with the finish.
+    lengths = [len(c.token_ids) for c in seen["cumulative"]]
+    assert lengths[-1] == 9 and len(lengths) <= 4 and lengths == sorted(set(lengths))
+    assert seen["cumulative"][-1].text == reference[-1].text and seen["cumulative"][-1].token_ids == reference[-1].token_ids
+    # The two ran in lockstep: each delta holds what the cumulative output grew by.
+    assert [len(c.token_ids) for c in seen["delta"]] == [b - a for a, b in zip([0] + lengths, lengths)]
+    assert "".join(c.text for c in seen["delta"]) == reference[-1].text
+    assert [t for c in seen["delta"] for t in c.token_ids] == reference[-1].token_ids
+
+
 def test_compiling_served_shapes_at_start_leaves_no_trace(llama_dir):
     """ModelRunner.compile_served_shapes, which a CUDA engine runs at start so that Triton
     compiles every served batch shape's kernels before the first request: each of its

@@ -15,6 +15,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
+from pagedq.redis_schema import stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import (
     ApiServer,
@@ -84,6 +85,8 @@ def test_completions_match_the_offline_engine_streamed_or_not(service, client, m
     job = job_of(redis, completion.id)
     assert job.return_value()["token_ids"] == expected and choice.text == job.return_value()["text"]
     assert job.kwargs["prompt"] == body["prompt"]  # the same job POST /generate enqueues
+    # Nobody streamed it: its deltas were its partial result, dropped once its result was in.
+    assert [fields[b"type"] for _, fields in redis.xrange(stream_key(job.id))] == [b"end"]
 
     # The full path of the checkpoint names the same model; token ids are a prompt too.
     by_ids = client.completions.create(model=str(model), prompt=job.kwargs["prompt_token_ids"], max_tokens=9,

@@ -15,7 +15,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedq.redis_schema import DELTA_ARGS, Progress, publish_reset, read_events, stream_key
+from pagedq.redis_schema import DELTA_ARGS, Progress, publish_reset, read_events, read_partial, stream_key
 from pagedq.redis_server import RedisServer
 from worker.rq.publisher import Delta, ProgressPublisher
 
@@ -77,11 +77,14 @@ def _send(publisher: ProgressPublisher, redis: Redis, outcome: str) -> None:
         publisher.uncertain(sending)
 
 
+def _entries(redis: Redis, seq_id: str) -> list:
+    return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in redis.xrange(stream_key(seq_id))]
+
+
 def _streamed(redis: Redis, seq_id: str) -> dict[int, tuple[str, list[int], list]]:
     """Per output: the text after the stream's last reset, each delta's token count, the logprobs."""
     outputs: dict[int, tuple[str, list[int], list]] = {}
-    entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in redis.xrange(stream_key(seq_id))]
-    for event, data, _ in read_events(entries):
+    for event, data, _ in read_events(_entries(redis, seq_id)):
         if event == "reset":
             outputs = {}
         elif event == "delta":
@@ -120,6 +123,11 @@ def test_a_stream_holds_each_token_once_whichever_round_trips_broke(redis, seed)
             assert [token for token, _ in logprobs_seen] == completion.token_ids
     counts = _one_event_per_entry(redis, seq_id)
     assert counts == sorted(set(counts)), "a delta of output 0 was written twice"
+    # The partial result GET /result reads back from the stream: output 0, each token once.
+    partial = read_partial(_entries(redis, seq_id))
+    first = request.completions[0]
+    assert (partial.text, partial.token_ids) == (first.text, first.token_ids)
+    assert (partial.first_token is not None) == bool(first.token_ids)
 
 
 def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(redis):
@@ -150,7 +158,30 @@ def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(red
     second.update(seq_id, rerun.grow(rng))
     _send(second, redis, "answered")
     assert _streamed(redis, seq_id)[0][0] == rerun.completions[0].text
+    partial = read_partial(_entries(redis, seq_id))
+    assert (partial.text, partial.token_ids) == (rerun.completions[0].text, rerun.completions[0].token_ids)
+
+
+def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis):
+    """stream false (a polling client, a batch line): its deltas are batched to one per
+    progress_interval_s, the first and the last at once, and still hold every token once."""
+    seq_id = "publisher-unstreamed"
+    job = _job(redis, seq_id)
+    publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=3600.0)
+    publisher.track(job, Progress(prompt_tokens=1, attempt=1), stream=False)
+    request = _Outputs(seq_id, 1, False)
+    rng = random.Random(3)
+    for _ in range(20):
+        request.completions[0].token_ids.append(rng.randrange(1000))
+        request.completions[0].text += rng.choice(_PIECES)
+        publisher.update(seq_id, request.output())
+        _send(publisher, redis, "answered")
+    publisher.update(seq_id, request.output(finished=True))
+    _send(publisher, redis, "answered")
+    assert _one_event_per_entry(redis, seq_id) == [1, 20]
+    partial = read_partial(_entries(redis, seq_id))
+    assert (partial.text, partial.token_ids) == (request.completions[0].text, request.completions[0].token_ids)
 
 
 def test_a_delta_sends_what_the_script_reads():
-    assert len(Delta(0, "text", 3, True, "", False).args()) == DELTA_ARGS
+    assert len(Delta(0, "text", 3, True, "", False, "1,2,3", 1.0).args()) == DELTA_ARGS

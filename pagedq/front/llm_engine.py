@@ -164,9 +164,14 @@ class LLMEngine:
 
     # --- the loop -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, defer_outputs: bool = False) -> list[RequestOutput]:
         """One engine step; returns the outputs of requests that produced tokens or
         finished (FINAL_ONLY requests: only when they finish).
+
+        `defer_outputs`: only the outputs of requests that finished; those of the others
+        wait for deferred_outputs(), for a caller that looks at progress less often than
+        every step (the service's worker: once per Redis round trip), so a running
+        request's text is decoded, and its output built, once per look instead of per step.
 
         Whatever one request causes to throw (its forward, sampling, detokenization, stop
         check) fails that request alone, its output finished with `error` set; the step
@@ -179,7 +184,7 @@ class LLMEngine:
             timings.begin()
         if processor.states:
             for core_outputs in self.core.get_outputs(wait=not outputs):
-                outputs += processor.process(core_outputs)
+                outputs += processor.process(core_outputs, defer_outputs)
             if timings is not None:
                 timings.phase("output")
             if processor.stopped:
@@ -194,6 +199,12 @@ class LLMEngine:
         if timings is not None:
             timings.end()
         return outputs
+
+    def deferred_outputs(self) -> list[RequestOutput]:
+        """The outputs step(defer_outputs=True) held back: of each running request that
+        made progress since its last output, one output, built now (with everything up to
+        now, or for DELTA requests everything new since then)."""
+        return self.output_processor.deferred_outputs()
 
     # --- observability ------------------------------------------------------------------
 

@@ -162,11 +162,15 @@ class OutputProcessor:
         self.stopped: list[tuple[int, int]] = []
         # Requests the front failed, for the core to drop.
         self.dropped: list[int] = []
+        # Running requests that made progress since their last output, with defer (by core id).
+        self.deferred: dict[int, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
         self.states[state.core_id] = state
 
-    def process(self, out: CoreOutputs) -> list[RequestOutput]:
+    def process(self, out: CoreOutputs, defer: bool = False) -> list[RequestOutput]:
+        """The outputs of the requests `out` moved on. `defer`: only those that ended; the
+        others are noted for deferred_outputs() (building an output decodes its text)."""
         states = self.states
         for core_id, when, num_cached in out.scheduled:
             state = states.get(core_id)
@@ -243,9 +247,19 @@ class OutputProcessor:
         for state in touched.values():
             if state.error is not None or state.all_ended:
                 results.append(self._close(state))
-            elif state.output_kind is not final_only:
+            elif state.output_kind is final_only:
+                continue
+            elif defer:
+                self.deferred[state.core_id] = state
+            else:
                 results.append(state.output())
         return results
+
+    def deferred_outputs(self) -> list[RequestOutput]:
+        """The outputs of the running requests that process(defer=True) moved on since
+        their last output, built now: one per request however many steps it took."""
+        states, self.deferred = self.deferred, {}
+        return [state.output() for state in states.values()]
 
     def abort(self, state: RequestState) -> RequestOutput:
         """The request ends now; its final output, finish_reason "abort"."""
@@ -256,6 +270,7 @@ class OutputProcessor:
         state.finished = True
         state.metrics.finished_time = time.time()
         del self.states[state.core_id]
+        self.deferred.pop(state.core_id, None)
         return state.final_output()
 
     def _token_fault(self, state: RequestState, exc: Exception) -> None:

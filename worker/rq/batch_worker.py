@@ -76,6 +76,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from pagedq.front.core_client import EngineDeadError
 from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.metrics import WorkerMetrics
+from pagedq.outputs import RequestOutput
 from pagedq.protocol import GenerationResult
 from pagedq.redis_connection import connect, passing_redis_trouble
 from pagedq.redis_schema import (
@@ -85,6 +86,7 @@ from pagedq.redis_schema import (
     expire_canceled,
     publish_end,
     queue_fenced_commands,
+    stream_key,
 )
 from pagedq.settings import Settings
 from worker.rq.inflight import InFlight, PendingSync, Started
@@ -321,6 +323,7 @@ class BatchWorker(BaseWorker):
         directly), and after a Redis outage. Writes need no check of their own: each is
         fenced (owns() in redis_schema), so a job reaped after a stall and rerun elsewhere
         never gets a write from here."""
+        self._take_outputs(self.engine.deferred_outputs())
         self._fail_alone([entry for entry in self.inflight.values() if entry.final is not None and not self._result_of(entry)])
         entries = list(self.inflight.values())
         full = full or time.monotonic() >= self._next_full_check
@@ -485,15 +488,24 @@ class BatchWorker(BaseWorker):
     # ---- engine step ----------------------------------------------------------------
 
     def _step(self) -> None:
+        """One engine step. Only finished requests' outputs come back at once: the running
+        ones' are built when the next round trip is queued (_take_outputs), once however
+        many steps ran while the last one was out."""
         try:
             with self._step_heartbeats.step():
-                outputs = self.engine.step()
+                outputs = self.engine.step(defer_outputs=True)
         except EngineDeadError as exc:
             self._engine_died(exc)
             return
         except Exception:
             self._fail_inflight(sys.exc_info())
             return
+        self._take_outputs(outputs)
+
+    def _take_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Record outputs for the publisher and the metrics; finished ones end their jobs.
+        A job's tokens since its last output (or since its first token) are taken to have
+        come evenly: one inter-token latency per gap, summing to the time that passed."""
         now = time.time()
         for output in outputs:
             entry = self.inflight.get(output.request_id)
@@ -502,8 +514,13 @@ class BatchWorker(BaseWorker):
             self.publisher.update(entry.job.id, output)
             num_tokens = len(output.outputs[0].token_ids)
             if num_tokens > entry.num_tokens:
-                if entry.num_tokens:
-                    self.metrics.inter_token_latency.observe(now - entry.last_token_at)
+                since, counted = entry.last_token_at, entry.num_tokens
+                if not counted:
+                    since, counted = output.metrics.first_token_time or now, 1
+                if num_tokens > counted:
+                    latency = max(now - since, 0.0) / (num_tokens - counted)
+                    for _ in range(num_tokens - counted):
+                        self.metrics.inter_token_latency.observe(latency)
                 entry.num_tokens, entry.last_token_at = num_tokens, now
             if output.finished:
                 entry.final = output
@@ -543,6 +560,8 @@ class BatchWorker(BaseWorker):
                                     execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
             job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
             execution.delete(job=job, pipeline=recorder)
+            if not entry.payload.stream:
+                recorder.delete(stream_key(job.id))  # its deltas were its partial result: the result has them now
             publish_end(recorder, job.id, "finished", ttl, finish_reason=entry.result.finish_reason or "")
             writes.append((job.key, execution.composite_key, recorder))
         queue_fenced_commands(pipeline, writes)

@@ -1,7 +1,9 @@
-"""Publishes what running jobs have produced so far: text deltas to each job's Redis stream
-(GET /stream relays them) and the partial result to `job.meta` (GET /result shows it).
-After a job's first token, its deltas go out at most every `stream_interval_s` (0: every
-engine step), batching tokens into fewer events when relaying them is what costs.
+"""Publishes what running jobs have produced so far, as deltas (text and token ids) to each
+job's Redis stream: GET /stream relays them, and GET /result reads the partial result back
+from them (redis_schema.read_partial), so each token is written once and nothing grows by
+being rewritten. After a job's first token, its deltas go out at most every
+`stream_interval_s` (0: every engine step), batching tokens into fewer events when relaying
+them is what costs; a job nobody streams (JobPayload.stream false) every `progress_interval_s`.
 
 `update()` only records an engine output; `publish()` queues everything recorded since
 the last send into a caller's pipeline as one script call (redis_schema.PUBLISH_STEP_SCRIPT,
@@ -33,7 +35,6 @@ from pagedq.redis_schema import (
     PUBLISH_STEP_SCRIPT,
     UNFENCED,
     Progress,
-    meta_with,
     publish_reset,
     read_progress,
     stream_key,
@@ -54,9 +55,14 @@ class Delta(NamedTuple):
     logprobs: str
     # The stream may hold it already (an earlier send's reply was lost): written only if not.
     check: bool
+    # The delta's token ids, comma-separated.
+    ids: str
+    # With `new`: when the attempt's first token came (Unix seconds).
+    first_token: float
 
-    def args(self) -> tuple[int, str, int, int, str, int]:
-        return self.index, self.text, self.num_tokens, int(self.new), self.logprobs, int(self.check)
+    def args(self) -> tuple[int, str, int, int, str, int, str, float]:
+        return (self.index, self.text, self.num_tokens, int(self.new), self.logprobs, int(self.check), self.ids,
+                self.first_token)
 
 
 
@@ -64,15 +70,16 @@ class Delta(NamedTuple):
 class _Published:
     job: Job
     progress: Progress
+    # Deltas every stream_interval_s (else every progress_interval_s: nobody streams them).
     stream: bool
     output: RequestOutput | None = None
+    first_token: float | None = None
     # How much of each output (by index) the stream has.
     sent_chars: list[int] = field(default_factory=list)
     sent_tokens: list[int] = field(default_factory=list)
     # (chars, tokens) per output that each send since, whose reply was lost, would have left
     # the stream with (oldest first): the stream holds one of these or sent_* itself.
     unsure: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    next_progress_at: float = 0.0
     next_delta_at: float = 0.0
 
 
@@ -140,8 +147,8 @@ class ProgressPublisher:
         self.track(job, start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s), stream)
 
     def track(self, job: Job, progress: Progress, stream: bool = True) -> None:
-        """Follow a job start_progress() has started. `stream` false: only partial
-        results, no deltas (JobPayload.stream)."""
+        """Follow a job start_progress() has started. `stream` false: nobody follows its
+        deltas as they come, so they go at progress_interval_s (JobPayload.stream)."""
         self._jobs[job.id] = _Published(job, progress, stream)
         self._dirty.discard(job.id)
 
@@ -149,9 +156,8 @@ class ProgressPublisher:
         """Record the job's latest (cumulative) output; nothing is sent until flush()."""
         state = self._jobs[seq_id]
         state.output = output
-        progress = state.progress
-        if progress.first_token is None and output.outputs[0].token_ids:
-            progress.first_token = output.metrics.first_token_time or time.time()
+        if state.first_token is None and any(completion.token_ids for completion in output.outputs):
+            state.first_token = output.metrics.first_token_time or time.time()
         self._dirty.add(seq_id)
 
     def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
@@ -170,32 +176,26 @@ class ProgressPublisher:
             state = self._jobs[seq_id]
             started = any(state.sent_tokens)
             # The first token and the last go at once; in between a job's deltas are batched
-            # to one per stream_interval_s (what is held back stays dirty for a later step).
-            if state.stream and started and not state.output.finished and now < state.next_delta_at:
+            # to one per interval (what is held back stays dirty for a later step).
+            if started and not state.output.finished and now < state.next_delta_at:
                 continue
             self._dirty.discard(seq_id)
             outputs = state.output.outputs
             deltas: list[Delta] = []
-            if state.stream:
-                # After an uncertain send the script looks at what the stream has before each write.
-                check = bool(state.unsure)
-                for index, completion in enumerate(outputs):
-                    for start_char, end_char, start_token, end_token in _pieces(state, index):
-                        state.next_delta_at = now + self.stream_interval_s
-                        deltas.append(Delta(index, completion.text[start_char:end_char], end_token, not started,
-                                            _logprobs_json(completion, start_token, end_token), check))
-                        started = True
-            meta = b""
-            # Partial results are rewritten whole, so they are throttled; deltas never are.
-            if now >= state.next_progress_at and not state.output.finished:
-                state.next_progress_at = now + self.progress_interval_s
-                state.progress.text = outputs[0].text
-                state.progress.token_ids = list(outputs[0].token_ids)
-                meta = meta_with(state.job, state.progress)
-            if not deltas and not meta:
+            # After an uncertain send the script looks at what the stream has before each write.
+            check = bool(state.unsure)
+            for index, completion in enumerate(outputs):
+                for start_char, end_char, start_token, end_token in _pieces(state, index):
+                    state.next_delta_at = now + (self.stream_interval_s if state.stream else self.progress_interval_s)
+                    ids = ",".join(map(str, completion.token_ids[start_token:end_token]))
+                    deltas.append(Delta(index, completion.text[start_char:end_char], end_token, not started,
+                                        _logprobs_json(completion, start_token, end_token), check, ids,
+                                        state.first_token or 0.0))
+                    started = True
+            if not deltas:
                 continue
             keys += [state.job.key, stream_key(seq_id)]
-            args += [fence(seq_id) if fence else UNFENCED, meta, len(deltas), *(arg for delta in deltas for arg in delta.args())]
+            args += [fence(seq_id) if fence else UNFENCED, len(deltas), *(arg for delta in deltas for arg in delta.args())]
             sending.jobs.append(seq_id)
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
