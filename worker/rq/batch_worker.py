@@ -65,7 +65,7 @@ import redis.exceptions
 from redis import Redis
 from rq import worker_registration
 from rq.command import parse_payload
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
@@ -84,11 +84,10 @@ from pagedq.redis_schema import (
     batch_queue_name,
     cancels_key,
     expire_canceled,
-    publish_end,
     queue_fenced_commands,
-    stream_key,
 )
 from pagedq.settings import Settings
+from worker.rq import outcomes
 from worker.rq.inflight import InFlight, PendingSync, Started
 from worker.rq.job_starts import start_jobs
 from worker.rq.publisher import ProgressPublisher
@@ -177,33 +176,19 @@ class BatchWorker(BaseWorker):
         job.ended_at = utcnow()
 
     def handle_job_failure(self, job: Job, queue: Queue, started_job_registry=None, exc_string="", execution=None):
-        """Every failure path of this worker ends here. RQ's failure writes (status, the
-        failed result or the retry's requeue, registries, counters) are recorded and sent
-        as one fenced script, as the success path's are: a job that was reaped and rerun
-        elsewhere while it failed here is left to its new run, never failed or requeued a
-        second time. Our jobs have no dependents, webhooks or rate limits, the parts of
-        RQ's path left out."""
+        """Every failure path of this worker ends here: RQ's failure writes, fenced
+        (worker/rq/outcomes.py), so a job that was reaped and rerun elsewhere while it
+        failed here is left to its new run, never failed or requeued a second time."""
         stopped = self._stopped_job_id == job.id
         retry = job.should_retry and not stopped
         if stopped:
             self._stopped_job_id = None
-        recorder = self.connection.pipeline(transaction=False)
-        job.heartbeat(job.ended_at or utcnow(), self.settings.heartbeat_ttl_s, pipeline=recorder)
-        if stopped or not retry:
-            job.set_status(JobStatus.STOPPED if stopped else JobStatus.FAILED, pipeline=recorder)
-        self.cleanup_execution(job, pipeline=recorder, execution=execution)
-        if not retry:
-            job._handle_failure(exc_string, pipeline=recorder, worker_name=self.name, execution_id=execution.id,
-                                execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
-        self.increment_failed_job_count(recorder)
-        if job.started_at and job.ended_at:
-            self.increment_total_working_time(job.ended_at - job.started_at, recorder)
-        if retry:
-            job.retry(queue, recorder)
-        if job.id in self._end_streams_on_failure:
-            self._end_streams_on_failure.discard(job.id)
-            publish_end(recorder, job.id, "failed", self.settings.stream_ttl_s)
-        if self._write_fenced([(job.key, execution.composite_key, recorder)]):
+        end_stream = job.id in self._end_streams_on_failure
+        self._end_streams_on_failure.discard(job.id)
+        write = outcomes.failure(self, job, queue, execution, exc_string, stopped=stopped, retry=retry,
+                                 end_stream=end_stream, heartbeat_ttl_s=self.settings.heartbeat_ttl_s,
+                                 stream_ttl_s=self.settings.stream_ttl_s)
+        if self._write_fenced([write]):
             self.log.info("Worker %s: job %s failed here but is no longer ours: failure not recorded", self.name, job.id)
         elif retry:
             self.metrics.jobs_requeued += 1
@@ -538,33 +523,11 @@ class BatchWorker(BaseWorker):
         self._draining, self._drain_deadline = True, 0.0
 
     def _queue_successes(self, pipeline, entries: list[InFlight]) -> None:
-        """Queue, as one fenced script call, what RQ's success path writes for each
-        finished job (status, result, registries, the worker's counters: RQ's own methods,
-        recorded on a pipeline that never runs), then its stream's "end" (after the
-        result, so a client that sees "end" can read it). Our jobs have no dependents,
-        repeats, callbacks or rate limits, the parts of RQ's path left out."""
-        writes = []
-        ttl = self.settings.stream_ttl_s
-        for entry in entries:
-            job, execution = entry.job, entry.execution
-            recorder = self.connection.pipeline(transaction=False)
-            job.ended_at = utcnow()
-            job.heartbeat(job.ended_at, self.settings.heartbeat_ttl_s, pipeline=recorder)
-            job._result = entry.result.model_dump(mode="json")
-            job._status = JobStatus.FINISHED
-            self.increment_successful_job_count(recorder)
-            self.increment_total_working_time(job.ended_at - job.started_at, recorder)
-            result_ttl = job.get_result_ttl(self.default_result_ttl)
-            if result_ttl != 0:
-                job._handle_success(result_ttl, pipeline=recorder, worker_name=self.name, execution_id=execution.id,
-                                    execution_started_at=execution.created_at, execution_ended_at=job.ended_at)
-            job.cleanup(result_ttl, pipeline=recorder, remove_from_queue=False)
-            execution.delete(job=job, pipeline=recorder)
-            if not entry.payload.stream:
-                recorder.delete(stream_key(job.id))  # its deltas were its partial result: the result has them now
-            publish_end(recorder, job.id, "finished", ttl, finish_reason=entry.result.finish_reason or "")
-            writes.append((job.key, execution.composite_key, recorder))
-        queue_fenced_commands(pipeline, writes)
+        """Queue RQ's success writes for each finished job (worker/rq/outcomes.py), fenced,
+        as one script call."""
+        settings = self.settings
+        queue_fenced_commands(pipeline, [outcomes.success(self, entry, settings.heartbeat_ttl_s, settings.stream_ttl_s)
+                                         for entry in entries])
 
     def _result_of(self, entry: InFlight) -> bool:
         """Build a finished request's result once; False if the engine failed it alone
@@ -648,19 +611,12 @@ class BatchWorker(BaseWorker):
         self._forget(entries)
         # Fenced: a job reaped and rerun elsewhere meanwhile must not be queued again.
         # Last first, so they stand at the queue's front in the order they came.
-        writes = []
-        for entry in reversed(entries):
-            recorder = self.connection.pipeline(transaction=False)
-            self.cleanup_execution(entry.job, recorder, entry.execution)
-            # As RQ's retry requeues (enqueue_job would open a transaction on the recorder).
-            entry.queue._enqueue_job(entry.job, pipeline=recorder, at_front=True)
-            writes.append((entry.job.key, entry.execution.composite_key, recorder))
-        refused = self._write_fenced(writes)
+        refused = self._write_fenced([outcomes.requeue(self, entry) for entry in reversed(entries)])
         if refused:
             self.log.info("Worker %s: %d of them were no longer ours: not requeued", self.name, len(refused))
         self.metrics.jobs_requeued += len(entries) - len(refused)
 
-    def _write_fenced(self, writes) -> list[int]:
+    def _write_fenced(self, writes: list[outcomes.FencedWrite]) -> list[int]:
         """Send recorded writes now, each only if its execution still owns its job; the
         1-based positions of those refused."""
         with self.connection.pipeline(transaction=False) as pipeline:

@@ -31,7 +31,6 @@ from rq.job import Job
 
 from pagedq.outputs import RequestOutput
 from pagedq.redis_schema import (
-    DELTA_ARGS,
     PUBLISH_STEP_SCRIPT,
     UNFENCED,
     Progress,
