@@ -70,6 +70,12 @@ def _entry_id(text: str) -> tuple[int, int]:
     return int(milliseconds), int(sequence)
 
 
+def _earliest_cursor(followers: set[_Follower]) -> str:
+    if len(followers) == 1:
+        return next(iter(followers)).cursor
+    return min((follower.cursor for follower in followers), key=_entry_id)
+
+
 @dataclass(frozen=True)
 class Quiet:
     """Nothing came on a followed stream for the hub's `quiet_s`: the job's state, read then."""
@@ -107,8 +113,10 @@ class StreamHub:
         self._followers: dict[str, set[_Follower]] = {}
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
-        # When each end waiter's job is next checked (monotonic), with quiet_s.
+        # When each end waiter's job is next checked (monotonic), with quiet_s; the first of
+        # those and of the followers' quiet ticks, as of the last read.
         self._check_at: dict[str, float] = {}
+        self._quiet_due = 0.0
         self._ended_cursor: str | None = None
         self._task: asyncio.Task | None = None
 
@@ -206,6 +214,7 @@ class StreamHub:
             + list(self._check_at.values()),
             default=math.inf,
         )
+        self._quiet_due = due
         # At least 1 ms: 0 would block for ever.
         return max(1, min(self.block_ms, math.ceil((due - time.monotonic()) * 1000)))
 
@@ -214,6 +223,8 @@ class StreamHub:
         quiet_s or whose end waiters are due a check; tell each quiet follower its job's
         state, and wake the waiters of jobs that ended (or are gone) without an "end"."""
         now = time.monotonic()
+        if now < self._quiet_due:
+            return
         quiet = [follower for followers in self._followers.values() for follower in followers
                  if now - follower.fed_at >= self.quiet_s]
         due = [seq_id for seq_id, at in self._check_at.items() if now >= at]
@@ -237,9 +248,7 @@ class StreamHub:
     async def _run(self) -> None:
         try:
             while self._followers or self._enders:
-                cursors = {
-                    key: min((f.cursor for f in followers), key=_entry_id) for key, followers in self._followers.items()
-                }
+                cursors = {key: _earliest_cursor(followers) for key, followers in self._followers.items()}
                 ended = {ENDED_KEY: self._ended_cursor} if self._ended_cursor is not None else {}
                 self._wake_pending = False
                 try:
@@ -264,8 +273,11 @@ class StreamHub:
                     entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
                     now = time.monotonic()
                     for follower in self._followers.get(key, ()):
-                        cursor = _entry_id(follower.cursor)
-                        new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
+                        if follower.cursor == cursors.get(key):
+                            new = entries  # read from its own cursor (the usual one follower a stream)
+                        else:
+                            cursor = _entry_id(follower.cursor)
+                            new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
                         if new:
                             follower.cursor = new[-1][0]
                             follower.fed_at = now
