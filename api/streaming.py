@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import logging
+import math
 import re
 import time
 import uuid
@@ -121,8 +121,9 @@ class StreamHub:
         self._task: asyncio.Task | None = None
 
     @asynccontextmanager
-    async def follow(self, seq_id: str, cursor: str) -> AsyncIterator[asyncio.Queue[list[Entry] | Exception]]:
-        """A queue of the stream's entries after `cursor`, in batches, while the context lasts."""
+    async def follow(self, seq_id: str, cursor: str) -> AsyncIterator[asyncio.Queue[list[Entry] | Quiet | Exception]]:
+        """A queue of the stream's entries after `cursor`, in batches (and Quiet ticks, with
+        quiet_s), while the context lasts."""
         key = stream_key(seq_id)
         follower = _Follower(seq_id, cursor)
         self._followers.setdefault(key, set()).add(follower)
@@ -138,8 +139,9 @@ class StreamHub:
     @asynccontextmanager
     async def until_end(self, seq_id: str) -> AsyncIterator[asyncio.Event]:
         """An event set once the job's end is written after this context was entered (or
-        when the hub fails). A job can end without one (see the module's docstring): the
-        caller checks the job's status too, after entering and now and then."""
+        when the hub fails, or, with quiet_s, when a check finds the job ended or gone). A job
+        can end without an end written (see the module's docstring): the caller checks the
+        job's status too after entering (and, without quiet_s, now and then)."""
         ended = asyncio.Event()
         self._enders.setdefault(seq_id, set()).add(ended)
         if self.quiet_s is not None:

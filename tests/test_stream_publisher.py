@@ -15,7 +15,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedq.redis_schema import DELTA_ARGS, Progress, publish_reset, read_events, read_partial, stream_key
+from pagedq.redis_schema import DELTA_ARGS, publish_reset, read_events, read_partial, stream_key
 from pagedq.redis_server import RedisServer
 from worker.rq.publisher import Delta, ProgressPublisher
 
@@ -105,7 +105,7 @@ def test_a_stream_holds_each_token_once_whichever_round_trips_broke(redis, seed)
     n, logprobs = rng.choice([1, 1, 2, 3]), rng.random() < 0.5
     job = _job(redis, seq_id)
     publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
-    publisher.track(job, Progress(prompt_tokens=1, attempt=1))
+    publisher.track(job)
     request = _Outputs(seq_id, n, logprobs)
     outcomes = ["answered", "refused", "lost-after", "lost-before"]
     for _ in range(rng.randint(5, 25)):
@@ -136,7 +136,7 @@ def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(red
     seq_id = "publisher-reset"
     job = _job(redis, seq_id)
     first = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
-    first.track(job, Progress(prompt_tokens=1, attempt=1))
+    first.track(job)
     rng = random.Random(7)
     dead = _Outputs(seq_id, 1, False)
     for _ in range(5):
@@ -149,7 +149,7 @@ def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(red
         publish_reset(pipeline, seq_id, 2, 600)
         pipeline.execute()
     second = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
-    second.track(job, Progress(prompt_tokens=1, attempt=2))
+    second.track(job)
     rerun = _Outputs(seq_id, 1, False)
     rerun.completions[0].token_ids += [2, 3, 4]
     rerun.completions[0].text += "abc"
@@ -168,7 +168,7 @@ def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis
     seq_id = "publisher-unstreamed"
     job = _job(redis, seq_id)
     publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=3600.0)
-    publisher.track(job, Progress(prompt_tokens=1, attempt=1), stream=False)
+    publisher.track(job, stream=False)
     request = _Outputs(seq_id, 1, False)
     rng = random.Random(3)
     for _ in range(20):

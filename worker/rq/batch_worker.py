@@ -442,7 +442,7 @@ class BatchWorker(BaseWorker):
             self._finalize_failure(job, queue, execution, sys.exc_info())
             return
         self.inflight[execution.id] = InFlight(job, queue, execution, item.payload, started_at=started_at)
-        self.publisher.track(job, item.progress, stream=item.payload.stream)
+        self.publisher.track(job, stream=item.payload.stream)
 
     def _drop(self, lost: list[InFlight]) -> None:
         """Canceled, deleted, or reaped and requeued after a stall: no longer ours to

@@ -13,7 +13,6 @@ from rq.job import Job
 from rq.queue import Queue
 
 from pagedq.protocol import GenerationResult, JobPayload
-from pagedq.redis_schema import Progress
 from worker.rq.publisher import Sending
 
 if TYPE_CHECKING:
@@ -48,7 +47,6 @@ class Started:
     job: Job
     execution: Execution
     payload: JobPayload | None = None
-    progress: Progress | None = None
     # Its payload could not be read: the job fails (never retried).
     error: tuple | None = None
 

@@ -48,7 +48,7 @@ def start_jobs(connection: Redis, ids: list[str], queues: list[Queue], serialize
                         if job.func_name != JOB_FUNCTION:
                             raise InvalidJob(f"this worker runs only {JOB_FUNCTION} jobs, not {job.func_name}")
                         item.payload = JobPayload.read(job.kwargs)
-                        item.progress = start_progress(pipeline, job, len(item.payload.prompt_token_ids), stream_ttl_s)
+                        start_progress(pipeline, job, len(item.payload.prompt_token_ids), stream_ttl_s)
                     except Exception:
                         item.error = sys.exc_info()
                     started.append(item)

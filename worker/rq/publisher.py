@@ -68,7 +68,6 @@ class Delta(NamedTuple):
 @dataclass
 class _Published:
     job: Job
-    progress: Progress
     # Deltas every stream_interval_s (else every progress_interval_s: nobody streams them).
     stream: bool
     output: RequestOutput | None = None
@@ -90,16 +89,14 @@ def _logprobs_json(completion, start: int, stop: int) -> str:
     return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
 
 
-def start_progress(pipeline: Pipeline, job: Job, prompt_tokens: int, stream_ttl_s: int) -> Progress:
-    """Queue a job's first progress as it (re)starts running: its attempt number (and a
-    "reset" event on its stream when an earlier attempt died part-way: that attempt's
-    deltas are in the stream already)."""
+def start_progress(pipeline: Pipeline, job: Job, prompt_tokens: int, stream_ttl_s: int) -> None:
+    """Queue a job's progress as it (re)starts running: its attempt number (and a "reset"
+    event on its stream when an earlier attempt died part-way: that attempt's deltas are in
+    the stream already)."""
     attempt = read_progress(job).attempt + 1
-    progress = Progress(prompt_tokens=prompt_tokens, attempt=attempt)
-    write_progress(pipeline, job, progress)
+    write_progress(pipeline, job, Progress(prompt_tokens=prompt_tokens, attempt=attempt))
     if attempt > 1:
         publish_reset(pipeline, job.id, attempt, stream_ttl_s)
-    return progress
 
 
 @dataclass
@@ -143,12 +140,13 @@ class ProgressPublisher:
 
     def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int, stream: bool = True) -> None:
         """Called when a job (re)starts running: start_progress(), then track()."""
-        self.track(job, start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s), stream)
+        start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s)
+        self.track(job, stream)
 
-    def track(self, job: Job, progress: Progress, stream: bool = True) -> None:
+    def track(self, job: Job, stream: bool = True) -> None:
         """Follow a job start_progress() has started. `stream` false: nobody follows its
         deltas as they come, so they go at progress_interval_s (JobPayload.stream)."""
-        self._jobs[job.id] = _Published(job, progress, stream)
+        self._jobs[job.id] = _Published(job, stream)
         self._dirty.discard(job.id)
 
     def update(self, seq_id: str, output: RequestOutput) -> None:
