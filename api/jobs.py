@@ -31,12 +31,12 @@ from pagedq.redis_schema import (
     ENDED_MAXLEN,
     JOB_FUNCTION,
     OWNER_META_KEY,
-    Entry,
     InvalidJob,
     JobState,
     Partial,
     batch_queue_name,
     cancels_key,
+    decode_entries,
     failure_line,
     job_state,
     read_partial,
@@ -256,7 +256,8 @@ class JobStore:
             )
         progress = read_progress(job)
         # Nothing in the stream before the job first starts.
-        partial = read_partial(self._stream_entries(seq_id)) if progress.attempt or state != "queued" else Partial()
+        partial = (read_partial(decode_entries(self.connection.xrange(stream_key(seq_id))))
+                   if progress.attempt or state != "queued" else Partial())
         timings.first_token = partial.first_token
         usage = None
         if progress.attempt or state == "running":
@@ -272,10 +273,6 @@ class JobStore:
             response.error = self.failure_message(job)
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
         return response
-
-    def _stream_entries(self, seq_id: str) -> list[Entry]:
-        return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()})
-                for entry_id, fields in self.connection.xrange(stream_key(seq_id))]
 
     def cancel(self, seq_id: str, caller: Caller) -> ResultResponse | None:
         job = self._fetch(seq_id, caller)

@@ -41,6 +41,7 @@ from pagedq.redis_schema import (
     Event,
     JobState,
     api_wake_key,
+    decode_entries,
     job_state,
     owner_of,
     read_events,
@@ -113,10 +114,8 @@ class StreamHub:
         self._followers: dict[str, set[_Follower]] = {}
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
-        # When each end waiter's job is next checked (monotonic), with quiet_s; the first of
-        # those and of the followers' quiet ticks, as of the last read.
+        # When each end waiter's job is next checked (monotonic), with quiet_s.
         self._check_at: dict[str, float] = {}
-        self._quiet_due = 0.0
         self._ended_cursor: str | None = None
         self._task: asyncio.Task | None = None
 
@@ -207,16 +206,20 @@ class StreamHub:
             pipeline.expire(self._wake_key, 60)
             await pipeline.execute()
 
-    def _block_ms(self) -> int:
-        """How long the next read may block: until the first quiet check falls due, at most block_s."""
+    def _quiet_due(self) -> float:
+        """When the first quiet tick or end waiter's check falls due (monotonic; inf: none)."""
         if self.quiet_s is None:
-            return self.block_ms
-        due = min(
+            return math.inf
+        return min(
             [follower.fed_at + self.quiet_s for followers in self._followers.values() for follower in followers]
             + list(self._check_at.values()),
             default=math.inf,
         )
-        self._quiet_due = due
+
+    def _block_ms(self, due: float) -> int:
+        """How long the next read may block: until `due`, at most block_s."""
+        if due == math.inf:
+            return self.block_ms
         # At least 1 ms: 0 would block for ever.
         return max(1, min(self.block_ms, math.ceil((due - time.monotonic()) * 1000)))
 
@@ -225,8 +228,6 @@ class StreamHub:
         quiet_s or whose end waiters are due a check; tell each quiet follower its job's
         state, and wake the waiters of jobs that ended (or are gone) without an "end"."""
         now = time.monotonic()
-        if now < self._quiet_due:
-            return
         quiet = [follower for followers in self._followers.values() for follower in followers
                  if now - follower.fed_at >= self.quiet_s]
         due = [seq_id for seq_id, at in self._check_at.items() if now >= at]
@@ -253,9 +254,11 @@ class StreamHub:
                 cursors = {key: _earliest_cursor(followers) for key, followers in self._followers.items()}
                 ended = {ENDED_KEY: self._ended_cursor} if self._ended_cursor is not None else {}
                 self._wake_pending = False
+                # Followers joining during the read fall due later than those before it.
+                due = self._quiet_due()
                 try:
                     reply = await self.connection.xread(
-                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self._block_ms()
+                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self._block_ms(due)
                     )
                 except ResponseError as exc:
                     # Redis refused one stream's read: only that stream's followers hear of it.
@@ -272,7 +275,7 @@ class StreamHub:
                             for waiter in self._enders.get(fields.get(b"seq_id", b"").decode(), ()):
                                 waiter.set()
                         continue
-                    entries = [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw_entries]
+                    entries = decode_entries(raw_entries)
                     now = time.monotonic()
                     for follower in self._followers.get(key, ()):
                         if follower.cursor == cursors.get(key):
@@ -284,7 +287,7 @@ class StreamHub:
                             follower.cursor = new[-1][0]
                             follower.fed_at = now
                             follower.batches.put_nowait(new)
-                if self.quiet_s is not None:
+                if time.monotonic() >= due:
                     await self._check_quiet()
         except Exception as exc:  # Redis gone (or a bug): every follower learns of it, none hangs
             if passing_redis_trouble(exc) is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 from redis.client import Pipeline
@@ -288,11 +288,19 @@ return lost
 """
 
 
-def queue_fenced_commands(pipeline: Pipeline, writes: list[tuple[str, str, Pipeline]]) -> None:
-    """Queue on `pipeline` one FENCED_COMMANDS_SCRIPT call that replays, per (job key,
-    execution composite key, recorder), the commands recorded on `recorder` (a pipeline
-    that never runs: RQ's own methods write to it) if that execution still owns the job.
-    The call's reply: the 1-based positions of the writes refused."""
+class FencedWrite(NamedTuple):
+    """Commands recorded for one job on `recorder` (a pipeline that never runs: RQ's own
+    methods write to it), to run only while `execution_key` owns the job."""
+
+    job_key: str
+    execution_key: str
+    recorder: Pipeline
+
+
+def queue_fenced_commands(pipeline: Pipeline, writes: list[FencedWrite]) -> None:
+    """Queue on `pipeline` one FENCED_COMMANDS_SCRIPT call that replays each write's
+    recorded commands if its execution still owns its job. The call's reply: the 1-based
+    positions of the writes refused."""
     keys: list[str] = []
     args: list = []
     for job_key, execution_key, recorder in writes:
@@ -320,6 +328,12 @@ def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s:
 
 
 Entry = tuple[str, dict[str, str]]
+
+
+def decode_entries(raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
+    """Stream entries as redis-py returns them (XRANGE, XREAD's per-stream lists), decoded."""
+    return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()}) for entry_id, fields in raw]
+
 # (kind, data, entry id): `delta` {index, text, num_tokens[, logprobs]}, `reset` {attempt}, `end` {status, finish_reason}.
 Event = tuple[str, dict, str | None]
 

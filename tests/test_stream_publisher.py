@@ -15,7 +15,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedq.redis_schema import DELTA_ARGS, publish_reset, read_events, read_partial, stream_key
+from pagedq.redis_schema import DELTA_ARGS, decode_entries, publish_reset, read_events, read_partial, stream_key
 from pagedq.redis_server import RedisServer
 from worker.rq.publisher import Delta, ProgressPublisher
 
@@ -78,7 +78,7 @@ def _send(publisher: ProgressPublisher, redis: Redis, outcome: str) -> None:
 
 
 def _entries(redis: Redis, seq_id: str) -> list:
-    return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in redis.xrange(stream_key(seq_id))]
+    return decode_entries(redis.xrange(stream_key(seq_id)))
 
 
 def _streamed(redis: Redis, seq_id: str) -> dict[int, tuple[str, list[int], list]]:

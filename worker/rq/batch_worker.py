@@ -80,6 +80,7 @@ from pagedq.outputs import RequestOutput
 from pagedq.protocol import GenerationResult
 from pagedq.redis_connection import connect, passing_redis_trouble
 from pagedq.redis_schema import (
+    FencedWrite,
     RequestFailed,
     batch_queue_name,
     cancels_key,
@@ -616,7 +617,7 @@ class BatchWorker(BaseWorker):
             self.log.info("Worker %s: %d of them were no longer ours: not requeued", self.name, len(refused))
         self.metrics.jobs_requeued += len(entries) - len(refused)
 
-    def _write_fenced(self, writes: list[outcomes.FencedWrite]) -> list[int]:
+    def _write_fenced(self, writes: list[FencedWrite]) -> list[int]:
         """Send recorded writes now, each only if its execution still owns its job; the
         1-based positions of those refused."""
         with self.connection.pipeline(transaction=False) as pipeline:

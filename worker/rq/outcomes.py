@@ -9,26 +9,14 @@ paths left out.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from redis.client import Pipeline
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import now as utcnow
 from rq.worker import BaseWorker
 
-from pagedq.redis_schema import publish_end, stream_key
+from pagedq.redis_schema import FencedWrite, publish_end, stream_key
 from worker.rq.inflight import InFlight
-
-
-class FencedWrite(NamedTuple):
-    """Commands recorded for one job, to run only while `execution_key` owns it."""
-
-    job_key: str
-    execution_key: str
-    recorder: Pipeline
-
 
 def success(worker: BaseWorker, entry: InFlight, heartbeat_ttl_s: int, stream_ttl_s: int) -> FencedWrite:
     """RQ's success writes for a finished job (status, result, registries, the worker's

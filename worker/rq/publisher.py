@@ -183,7 +183,6 @@ class ProgressPublisher:
             check = bool(state.unsure)
             for index, completion in enumerate(outputs):
                 for start_char, end_char, start_token, end_token in _pieces(state, index):
-                    state.next_delta_at = now + (self.stream_interval_s if state.stream else self.progress_interval_s)
                     ids = ",".join(map(str, completion.token_ids[start_token:end_token]))
                     deltas.append(Delta(index, completion.text[start_char:end_char], end_token, not started,
                                         _logprobs_json(completion, start_token, end_token), check, ids,
@@ -191,6 +190,7 @@ class ProgressPublisher:
                     started = True
             if not deltas:
                 continue
+            state.next_delta_at = now + (self.stream_interval_s if state.stream else self.progress_interval_s)
             keys += [state.job.key, stream_key(seq_id)]
             args += [fence(seq_id) if fence else UNFENCED, len(deltas), *(arg for delta in deltas for arg in delta.args())]
             sending.jobs.append(seq_id)
