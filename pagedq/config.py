@@ -43,6 +43,12 @@ class EngineArgs:
     # Run the engine core in a process of its own (pagedq.front.core_client): the front's
     # detokenization and output processing then run beside the core's steps.
     core_process: bool = False
+    # The core process's nice value (lower runs first), None: the front's. The front, the
+    # api, Redis and clients may share the core's CPUs; a core preempted mid-step delays
+    # every sequence of the step, while they can wait a few milliseconds. Below the
+    # front's own value it needs CAP_SYS_NICE (or RLIMIT_NICE); without, the core keeps
+    # the front's priority and says so.
+    core_nice: int | None = None
     # Benchmarks only (`pagedq bench host`): the forward returns fixed logits and costs
     # nothing, so a run measures the host's own cost per step (worker.models.stub).
     stub_forward: bool = False
@@ -63,6 +69,7 @@ class EngineArgs:
             "swap_space": self.swap_space >= 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
             "tensor_parallel_size": self.tensor_parallel_size >= 1,
+            "core_nice": self.core_nice is None or -20 <= self.core_nice <= 19,
         }
         for name, ok in checks.items():
             if not ok:

@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     core_process: bool | None = Field(
         None, description="Run the engine core in a process of its own (the worker's default; LLM's is in-process).",
     )
+    core_nice: int | None = Field(
+        -10, ge=-20, le=19, description="The engine core process's nice value (lower runs first; None: the "
+        "worker's own): the api, Redis and the worker's own Python share its CPUs and can wait, its steps "
+        "cannot. Needs CAP_SYS_NICE (compose.yaml adds it); without, the core keeps the worker's priority.",
+    )
 
     # Client side (`pagedq submit/result/cancel`).
     url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")

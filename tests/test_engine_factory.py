@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
         "MODEL": str(tiny_model_dir("llama")), "DEVICE": "cpu", "KV_CACHE_DTYPE": "fp8",
         "ENABLE_PREFIX_CACHING": "false", "PREEMPTION_MODE": "swap", "SWAP_SPACE": "0.001",
         "BLOCK_SIZE": "8", "MAX_NUM_BATCHED_TOKENS": "64", "NUM_GPU_BLOCKS": "40", "ASYNC_SCHEDULING": "true",
+        "CORE_NICE": str(min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)),  # a lower priority needs no privilege
     }.items():
         monkeypatch.setenv(f"PAGEDQ_{name}", value)
     engine = build_engine(Settings())
@@ -26,6 +29,13 @@ def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
     info = engine.core.info
     assert args.async_scheduling and info.max_steps_in_flight == 2
     assert info.num_cpu_blocks > 0 and info.num_gpu_blocks == 40
+    # The core process and every thread it started (torch's, zmq's) run at core_nice; the worker at its own.
+    core = engine.core._process.pid
+    threads = [int(thread) for thread in os.listdir(f"/proc/{core}/task")]
+    assert len(threads) > 1
+    assert {os.getpriority(os.PRIO_PROCESS, thread) for thread in threads} == {args.core_nice}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == args.core_nice - 3 or args.core_nice == 19
+    engine.shutdown()
 
 
 def test_a_bad_engine_setting_is_a_clear_error(tiny_model_dir):

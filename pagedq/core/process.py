@@ -26,6 +26,9 @@ def run_core_process(settings: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGEDQ_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    # Before any thread starts (torch's, zmq's): Linux keeps a nice value per thread, and a
+    # new thread takes its creator's.
+    _set_nice(settings["engine_args"].get("core_nice"))
     import msgspec
     import torch
     import zmq
@@ -95,6 +98,17 @@ def run_core_process(settings: dict) -> None:
     finally:
         core.shutdown()
         context.destroy(linger=0)
+
+
+def _set_nice(nice: int | None) -> None:
+    if nice is None or os.getpriority(os.PRIO_PROCESS, 0) == nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        logging.getLogger(__name__).warning(
+            "the engine core keeps its parent's priority (nice %d): nice %d needs CAP_SYS_NICE or RLIMIT_NICE",
+            os.getpriority(os.PRIO_PROCESS, 0), nice)
 
 
 def _handle(core, message) -> bool:
