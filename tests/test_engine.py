@@ -451,6 +451,32 @@ def test_deferred_outputs_are_built_when_asked_and_agree_with_every_steps(llama)
     assert [t for c in seen["delta"] for t in c.token_ids] == reference[-1].token_ids
 
 
+def test_deferred_outputs_not_wanted_wait_for_a_later_look(llama):
+    """deferred_outputs(wanted) builds only the wanted requests' outputs (the worker: those
+    whose delta is due); the others stay deferred and come later with everything since."""
+    from pagedq.outputs import RequestOutputKind
+
+    engine = llama.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    for request_id in ("often", "rarely"):
+        engine.add_request(request_id, {"prompt_token_ids": [4, 5, 6, 7]}, params, output_kind=RequestOutputKind.DELTA)
+    seen: dict[str, list] = {"often": [], "rarely": []}
+    looks = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step(defer_outputs=True)
+        looks += 1
+        outputs += engine.deferred_outputs(lambda request_id: request_id == "often" or looks % 4 == 0)
+        for output in outputs:
+            seen[output.request_id].append(output.outputs[0])
+    # Greedy, one prompt: the same tokens and text, in fewer, larger deltas for "rarely".
+    assert len(seen["rarely"]) <= 4 < len(seen["often"])
+    for request_id in ("often", "rarely"):
+        assert sum(len(c.token_ids) for c in seen[request_id]) == 9
+        assert seen[request_id][-1].finish_reason == "length"
+    assert "".join(c.text for c in seen["rarely"]) == "".join(c.text for c in seen["often"])
+    assert engine.deferred_outputs() == []
+
+
 def test_compiling_served_shapes_at_start_leaves_no_trace(llama_dir):
     """ModelRunner.compile_served_shapes, which a CUDA engine runs at start so that Triton
     compiles every served batch shape's kernels before the first request: each of its

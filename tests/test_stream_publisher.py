@@ -171,7 +171,9 @@ def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis
     publisher.track(job, stream=False)
     request = _Outputs(seq_id, 1, False)
     rng = random.Random(3)
-    for _ in range(20):
+    for step in range(20):
+        # The worker builds a job's output only when its delta is due: the first at once.
+        assert publisher.due(seq_id) == (step == 0)
         request.completions[0].token_ids.append(rng.randrange(1000))
         request.completions[0].text += rng.choice(_PIECES)
         publisher.update(seq_id, request.output())
@@ -179,6 +181,11 @@ def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis
     publisher.update(seq_id, request.output(finished=True))
     _send(publisher, redis, "answered")
     assert _one_event_per_entry(redis, seq_id) == [1, 20]
+    streamed = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=3600.0)
+    streamed.track(_job(redis, "publisher-streamed"))
+    streamed.update("publisher-streamed", request.output())
+    _send(streamed, redis, "answered")
+    assert streamed.due("publisher-streamed")  # stream_interval_s 0: every round trip
     partial = read_partial(_entries(redis, seq_id))
     assert (partial.text, partial.token_ids) == (request.completions[0].text, request.completions[0].token_ids)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -200,11 +200,12 @@ class LLMEngine:
             timings.end()
         return outputs
 
-    def deferred_outputs(self) -> list[RequestOutput]:
+    def deferred_outputs(self, wanted: Callable[[str], bool] | None = None) -> list[RequestOutput]:
         """The outputs step(defer_outputs=True) held back: of each running request that
         made progress since its last output, one output, built now (with everything up to
-        now, or for DELTA requests everything new since then)."""
-        return self.output_processor.deferred_outputs()
+        now, or for DELTA requests everything new since then). With `wanted(request_id)`,
+        only those requests'; the others' wait for a later call."""
+        return self.output_processor.deferred_outputs(wanted)
 
     # --- observability ------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pagedq.beam_search import BeamSearchParams
 from pagedq.core.messages import CoreOutputs
@@ -255,11 +256,17 @@ class OutputProcessor:
                 results.append(state.output())
         return results
 
-    def deferred_outputs(self) -> list[RequestOutput]:
+    def deferred_outputs(self, wanted: Callable[[str], bool] | None = None) -> list[RequestOutput]:
         """The outputs of the running requests that process(defer=True) moved on since
-        their last output, built now: one per request however many steps it took."""
-        states, self.deferred = self.deferred, {}
-        return [state.output() for state in states.values()]
+        their last output, built now: one per request however many steps it took. With
+        `wanted(request_id)`, only those; the others stay deferred for a later call."""
+        if wanted is None:
+            states, self.deferred = self.deferred, {}
+            return [state.output() for state in states.values()]
+        taken = [state for state in self.deferred.values() if wanted(state.request_id)]
+        for state in taken:
+            del self.deferred[state.core_id]
+        return [state.output() for state in taken]
 
     def abort(self, state: RequestState) -> RequestOutput:
         """The request ends now; its final output, finish_reason "abort"."""

@@ -309,7 +309,9 @@ class BatchWorker(BaseWorker):
         directly), and after a Redis outage. Writes need no check of their own: each is
         fenced (owns() in redis_schema), so a job reaped after a stall and rerun elsewhere
         never gets a write from here."""
-        self._take_outputs(self.engine.deferred_outputs())
+        # Only the outputs the publisher sends now are built (text decoded): a job nobody
+        # streams sends a delta every progress_interval_s, not every round trip.
+        self._take_outputs(self.engine.deferred_outputs(self._delta_due))
         self._fail_alone([entry for entry in self.inflight.values() if entry.final is not None and not self._result_of(entry)])
         entries = list(self.inflight.values())
         full = full or time.monotonic() >= self._next_full_check
@@ -330,6 +332,10 @@ class BatchWorker(BaseWorker):
         self._call_sync(pipeline, take, [take, batch_take], pending.checked)
         pending.future = self._io.submit(self._run_sync, pipeline, pending)
         return pending
+
+    def _delta_due(self, request_id: str) -> bool:
+        entry = self.inflight.get(request_id)
+        return entry is None or self.publisher.due(entry.job.id)
 
     def _call_sync(self, target, take: int, limits: list[int], checked: list[InFlight]):
         """round_trip.call_sync for this worker's queues and the given in-flight jobs."""

@@ -157,6 +157,12 @@ class ProgressPublisher:
             state.first_token = output.metrics.first_token_time or time.time()
         self._dirty.add(seq_id)
 
+    def due(self, seq_id: str) -> bool:
+        """Whether publish() would send the job's next delta now (its first goes at once,
+        the others one per interval): until then its output need not even be built."""
+        state = self._jobs.get(seq_id)
+        return state is None or not any(state.sent_tokens) or time.monotonic() >= state.next_delta_at
+
     def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
         """Queue everything recorded since the last send into `pipeline` as one script
         call; once the pipeline has run, pass its reply to published() (or the Sending to
