@@ -18,6 +18,7 @@ from rq.worker import BaseWorker
 from pagedq.redis_schema import FencedWrite, publish_end, stream_key
 from worker.rq.inflight import InFlight
 
+
 def success(worker: BaseWorker, entry: InFlight, heartbeat_ttl_s: int, stream_ttl_s: int) -> FencedWrite:
     """RQ's success writes for a finished job (status, result, registries, the worker's
     counters), then its stream's "end" (after the result, so a client that sees "end" can

@@ -80,6 +80,10 @@ class _Published:
     unsure: list[tuple[list[int], list[int]]] = field(default_factory=list)
     next_delta_at: float = 0.0
 
+    def delta_due(self, now: float) -> bool:
+        """Its first delta goes at once; after that, one per interval."""
+        return not any(self.sent_tokens) or now >= self.next_delta_at
+
 
 def _logprobs_json(completion, start: int, stop: int) -> str:
     """Tokens [start, stop)'s logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
@@ -161,7 +165,7 @@ class ProgressPublisher:
         """Whether publish() would send the job's next delta now (its first goes at once,
         the others one per interval): until then its output need not even be built."""
         state = self._jobs.get(seq_id)
-        return state is None or not any(state.sent_tokens) or time.monotonic() >= state.next_delta_at
+        return state is None or state.delta_due(time.monotonic())
 
     def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
         """Queue everything recorded since the last send into `pipeline` as one script
@@ -177,11 +181,11 @@ class ProgressPublisher:
         args: list[str | int | bytes] = [self.stream_ttl_s]
         for seq_id in list(self._dirty):
             state = self._jobs[seq_id]
-            started = any(state.sent_tokens)
             # The first token and the last go at once; in between a job's deltas are batched
             # to one per interval (what is held back stays dirty for a later step).
-            if started and not state.output.finished and now < state.next_delta_at:
+            if not state.output.finished and not state.delta_due(now):
                 continue
+            started = any(state.sent_tokens)
             self._dirty.discard(seq_id)
             outputs = state.output.outputs
             deltas: list[Delta] = []
