@@ -55,6 +55,11 @@ class GenerateRequest(SamplingParams):
         "with the assistant's turn opened.",
     )
     priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
+    stream: bool = Field(
+        True, description="false: nobody will follow GET /stream (the client polls GET /result): the job's "
+        "partial result is written every PAGEDQ_PROGRESS_INTERVAL_S, not every engine step, and its stream keeps "
+        "only the end once it finishes.",
+    )
     use_beam_search: bool = Field(False, description="Beam search instead of sampling; the result holds every beam, best first.")
     beam_width: int = Field(1, ge=1, le=64)
     length_penalty: float = Field(1.0, description="Beam score = cumulative logprob / length ** length_penalty.")

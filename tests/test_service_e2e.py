@@ -23,6 +23,7 @@ from rq.suspension import resume
 
 from pagedq.client import Client, SSEParser
 from pagedq.protocol import GenerationResult
+from pagedq.redis_schema import stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import (
     REPO,
@@ -160,6 +161,21 @@ def test_polling_and_streaming_follow_a_job_from_queued_to_finished(service, cli
     assert "".join(data["text"] for event, data in events if event == "delta") == result["text"]
     assert events[-2][1]["num_tokens"] == 700
     assert events[-1][1] == {"status": "finished", "finish_reason": "length"}
+
+
+def test_a_polling_clients_job_keeps_only_its_end_in_the_stream(service, client):
+    """POST /generate with stream false (a client that polls): the job runs as any other and
+    its result holds every token; its deltas went every PAGEDQ_PROGRESS_INTERVAL_S as its
+    partial result and are dropped once it ends."""
+    _, redis, _ = service
+    polled = client.submit(prompt="Polled", max_tokens=40, ignore_eos=True, temperature=0, stream=False)["seq_id"]
+    followed = client.submit(prompt="Polled", max_tokens=40, ignore_eos=True, temperature=0)["seq_id"]
+    result = client.wait(polled)
+    assert result["status"] == "finished" and len(result["token_ids"]) == 40
+    assert client.wait(followed)["token_ids"] == result["token_ids"]
+    assert fetch(redis, polled).kwargs["stream"] is False and fetch(redis, followed).kwargs["stream"] is True
+    assert [fields[b"type"] for _, fields in redis.xrange(stream_key(polled))] == [b"end"]
+    assert {fields[b"type"] for _, fields in redis.xrange(stream_key(followed))} == {b"delta", b"end"}
 
 
 def test_stream_resumes_from_last_event_id(service, client):

@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--concurrency", type=positive_int, help="at most this many requests in flight")
     load.add_argument("--request-rate", type=positive_float, metavar="PER_S", help="Poisson arrivals at this rate")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                        help="clients follow GET /stream (default); --no-stream: they long-poll GET /result?wait= "
-                        "for the whole text (no TTFT, TPOT or ITL then)")
+                        help="clients follow GET /stream (default); --no-stream: they submit with stream false and "
+                        "long-poll GET /result?wait= for the whole text (no TTFT, TPOT or ITL then)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run pagedq's offline engine on the same workload and print the ratio (default on)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
@@ -69,7 +69,10 @@ async def _one_request(
     session: aiohttp.ClientSession, prompt: list[int], max_tokens: int, temperature: float, timing: RequestTiming,
     stream: bool = True,
 ) -> None:
-    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
+    # A polling client says so (stream false): its job's partial result is then written now
+    # and then, not every step.
+    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
+            "stream": stream}
     timing.sent = time.perf_counter()
     try:
         async with session.post("/generate", json=body) as response:

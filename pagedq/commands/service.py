@@ -277,7 +277,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     sampling = given_fields(args, (*SAMPLING_FIELDS, "top_k", "priority"))
     with connect(args) as client:
         prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
-        seq_id = client.submit(**prompt, idempotency_key=args.idempotency_key, **sampling)["seq_id"]
+        # Waiting for the whole result, it says nobody follows the stream: the job's partial
+        # result is then written now and then, not every engine step.
+        polls = args.wait and not args.stream
+        seq_id = client.submit(**prompt, idempotency_key=args.idempotency_key, stream=not polls, **sampling)["seq_id"]
         if args.stream:
             for delta in client.stream(seq_id):
                 print(delta, end="", flush=True)
