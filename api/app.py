@@ -130,9 +130,11 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
     install_error_handlers(app)
+    # The native routes first: a request is matched against each route in turn, and theirs
+    # are the service's busiest (a POST and a stream per job).
+    app.include_router(native_routes.router)
     for router in (openai_compat.router, responses_routes.router, files.router, batch_routes.router):
         app.include_router(router, responses={code: {"description": "OpenAI's error object"} for code in (400, 401, 404, 409)})
-    app.include_router(native_routes.router)
     app.include_router(tokenize_routes.router)
     install_docs(app)
 
