@@ -92,9 +92,10 @@ class PlainHistogram:
         self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def family(self) -> HistogramMetricFamily:
         counts, total = list(self.counts), self.sum

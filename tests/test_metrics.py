@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedq.metrics import WorkerMetrics, aggregate_workers
+from pagedq.metrics import PlainHistogram, WorkerMetrics, aggregate_workers
 from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 # vLLM V1's metric names (vllm/v1/metrics/loggers.py, PrometheusStatLogger), without
@@ -110,3 +110,13 @@ def test_workers_pages_are_summed_into_one():
     assert merged[("vllm:cache_config_info", (("block_size", "16"),))] == 1
     assert merged[("pagedq:jobs_finished_total", ())] == 2
     assert not any(name == "pagedq:queue_depth" for name, _ in merged)
+
+
+def test_plain_histogram_counted_observation_is_that_many_observations():
+    counted, one_by_one = (PlainHistogram("h", "doc", (0.01, 0.1, 1.0)) for _ in range(2))
+    counted.observe(0.05, 3)
+    counted.observe(2.0)
+    for value in (0.05, 0.05, 0.05, 2.0):
+        one_by_one.observe(value)
+    assert counted.counts == one_by_one.counts == [0, 3, 0, 1]
+    assert counted.sum == pytest.approx(one_by_one.sum) == pytest.approx(2.15)

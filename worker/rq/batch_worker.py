@@ -511,8 +511,7 @@ class BatchWorker(BaseWorker):
                     since, counted = output.metrics.first_token_time or now, 1
                 if num_tokens > counted:
                     latency = max(now - since, 0.0) / (num_tokens - counted)
-                    for _ in range(num_tokens - counted):
-                        self.metrics.inter_token_latency.observe(latency)
+                    self.metrics.inter_token_latency.observe(latency, num_tokens - counted)
                 entry.num_tokens, entry.last_token_at = num_tokens, now
             if output.finished:
                 entry.final = output
