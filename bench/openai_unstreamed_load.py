@@ -22,13 +22,11 @@ import time
 
 import aiohttp
 
+from pagedq.bench.serve import process_cpu_seconds
+
 
 def _cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def _pids(pattern: str) -> list[int]:

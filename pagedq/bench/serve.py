@@ -159,7 +159,7 @@ async def _run_load(
         await session.close()
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def process_cpu_seconds(pid: int) -> float | None:
     """A process's user + system CPU time so far (Linux /proc; None elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -191,11 +191,11 @@ def measure_service(
     if failed:
         raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
     processes = processes or {}
-    cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+    cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes.items()}
     client_before = time.process_time()
     timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate, stream))
     summary = summarize(timings, duration)
-    summary["cpu_s"] = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items() if cpu_before[name] is not None}
+    summary["cpu_s"] = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items() if cpu_before[name] is not None}
     summary["cpu_s"]["client"] = time.process_time() - client_before
     summary["errors"] = sorted({t.error for t in timings if t.error})
     return summary
