@@ -84,6 +84,8 @@ def main() -> None:
                     break
                 except OSError:
                     time.sleep(0.1)
+            else:
+                raise SystemExit(f"the api did not answer within a minute: {(Path(tmp) / 'api.log').read_text()[-2000:]}")
             connection = redis.Redis.from_url(url)
             seq_ids = [uuid.uuid4().hex for _ in range(args.streams)]
             for seq_id in seq_ids:

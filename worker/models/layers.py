@@ -76,13 +76,14 @@ _PACK_BATCH_HINT = 64
 # long), then 16 steps per doubling (at most 1/16 of the rows padding), 160 counts up to
 # 8,192: five linear shapes per model fit the cache.
 _EXACT_ROWS = 32
+_STEPS_PER_DOUBLING = 16
 
 
 def padded_rows(rows: int) -> int:
     """The row count `rows` input rows are padded to for oneDNN (see above)."""
     if rows <= _EXACT_ROWS:
         return rows
-    step = 1 << (rows.bit_length() - 5)
+    step = (1 << (rows.bit_length() - 1)) // _STEPS_PER_DOUBLING
     return (rows + step - 1) // step * step
 
 
