@@ -167,7 +167,7 @@ class JobStore:
         self.on_enqueued = on_enqueued
 
     @staticmethod
-    def payload(request: GenerateRequest, prompt_token_ids: list[int], stream: bool = True) -> JobPayload:
+    def payload(request: GenerateRequest, prompt_token_ids: list[int]) -> JobPayload:
         return JobPayload(
             prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
@@ -175,7 +175,7 @@ class JobStore:
             beam=request.beam_search_params(),
             priority=request.priority,
             enqueued_at=time.time(),
-            stream=stream,
+            stream=request.stream,
         )
 
     def _new_job(self, queue: Queue, seq_id: str, payload: JobPayload, meta: dict, result_ttl_s: int) -> Job:
@@ -193,14 +193,13 @@ class JobStore:
 
     def prepare(
         self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
-        stream: bool = True,
     ) -> PreparedJob:
         """An interactive job for `owner` (a Caller's tenant), ready for one ENQUEUE_SCRIPT call
-        (api.submitter sends it); `stream` false: nobody will follow its deltas."""
+        (api.submitter sends it)."""
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
-            self.queue, seq_id, self.payload(request, prompt_token_ids, stream),
+            self.queue, seq_id, self.payload(request, prompt_token_ids),
             {BODY_HASH_META_KEY: body_hash, OWNER_META_KEY: owner}, self.settings.result_ttl_s,
         )
         # What Queue.enqueue_job sets before saving (origin, enqueued_at, status queued).

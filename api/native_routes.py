@@ -55,8 +55,7 @@ async def generate(
             prompt_token_ids = checker.prompt_token_ids(body)
         except ValueError as exc:
             raise ApiError(422, str(exc)) from exc
-        return store.prepare(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, caller.tenant,
-                             stream=body.stream)
+        return store.prepare(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, caller.tenant)
 
     # A text prompt is tokenized in a thread; token ids are only checked, here.
     prepared = await blocking(request, prepare) if body.prompt_token_ids is None else prepare()

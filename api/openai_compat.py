@@ -299,7 +299,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
     # Off the event loop: the prompts are tokenized, a forced tool choice's schema compiled
     # (and xgrammar may still be loading).
     tools, prompts = await blocking(request, lambda: (translator.tool_plan(body), translator.prepare(endpoint, body)))
-    prepared = [store.prepare(generate, ids, None, caller.tenant, stream=body.stream) for generate, ids in prompts]
+    prepared = [store.prepare(generate, ids, None, caller.tenant) for generate, ids in prompts]
     submitter: Submitter = request.app.state.submitter
     outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in prepared), return_exceptions=True)
     # One job per prompt; should one not be queued, the others are canceled.

@@ -178,7 +178,7 @@ class _OpenAIRequest(ValidInput):
             if fields.get("temperature") == 0:
                 del fields["temperature"]
             fields.update(use_beam_search=True, length_penalty=self.length_penalty)
-        return {**fields, "priority": self.priority}
+        return {**fields, "priority": self.priority, "stream": self.stream}
 
 
 # OpenAI's max_tokens for completions; without one, vLLM caps it at what the context leaves.

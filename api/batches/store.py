@@ -342,8 +342,8 @@ class BatchStore:
         except ApiError as exc:
             error = openai_error_body(exc.status_code, str(exc.detail), exc.param, exc.code)
             return _Line(index, custom_id, response_line(record.id, index, custom_id, exc.status_code, error))
-        return _Line(index, custom_id, jobs=[(line_job_id(record.id, index), JobStore.payload(request, prompt_token_ids,
-                                                                                               stream=False))])
+        # A batch line is never streamed: stream is refused above, so the request's is false.
+        return _Line(index, custom_id, jobs=[(line_job_id(record.id, index), JobStore.payload(request, prompt_token_ids))])
 
     def _enqueue(self, pipeline, record: BatchRecord, job_id: str, payload: JobPayload) -> None:
         # The results must outlive the batch's window (and its finalizing, which reads them).

@@ -78,5 +78,5 @@ class Summarizer:
     def payload(self, prompt_token_ids: list[int]) -> JobPayload:
         fields = {"temperature": self.options.temperature} if self.options.temperature is not None else {}
         request = GenerateRequest(prompt_token_ids=prompt_token_ids, max_tokens=self.max_tokens,
-                                  priority=self.priority, **fields)
-        return JobStore.payload(self.checker.with_generation_defaults(request), prompt_token_ids, stream=False)
+                                  priority=self.priority, stream=False, **fields)
+        return JobStore.payload(self.checker.with_generation_defaults(request), prompt_token_ids)
