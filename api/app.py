@@ -93,6 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.files = FileStore(redis, settings)
         app.state.batches = BatchStore(redis, settings, store, app.state.files, app.state.openai)
         background = [asyncio.create_task(supervise(app)), asyncio.create_task(retention.keep_pruning(app))]
+        checker.load_loop_tokenizer()  # on the loop's thread: short prompts are tokenized there
         # Off the event loop: requests are served while it loads.
         threading.Thread(target=preload_grammar_engine, name="preload-xgrammar", daemon=True).start()
         freeze_startup_heap()

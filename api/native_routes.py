@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from api.auth import Caller, authenticate, authenticate_probe
 from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, PreparedJob, QueueFull
-from api.prompts import PromptChecker
+from api.prompts import PromptChecker, tokenized_inline
 from api.streaming import StreamReader, valid_stream_id
 from api.threads import blocking
 from pagedq.live_workers import live_workers
@@ -57,8 +57,9 @@ async def generate(
             raise ApiError(422, str(exc)) from exc
         return store.prepare(checker.with_generation_defaults(body), prompt_token_ids, idempotency_key, caller.tenant)
 
-    # A text prompt is tokenized in a thread; token ids are only checked, here.
-    prepared = await blocking(request, prepare) if body.prompt_token_ids is None else prepare()
+    # A long text prompt is tokenized in a thread, a chat's template applied there too.
+    inline = body.messages is None and tokenized_inline([body.prompt_token_ids or body.prompt or ""])
+    prepared = prepare() if inline else await blocking(request, prepare)
     try:
         status = store.settle(prepared, await request.app.state.submitter.enqueue(prepared))
         if status is None:

@@ -30,7 +30,7 @@ from api.errors import ApiError, bad_request, describe_validation_errors, first_
 from pagedq.redis_connection import passing_redis_trouble
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from api.prompts import PromptChecker
+from api.prompts import PromptChecker, tokenized_inline
 from api.submitter import Submitter
 from api.threads import blocking
 from api.tool_calls import choice as tool_choice
@@ -296,9 +296,14 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
-    # Off the event loop: the prompts are tokenized, a forced tool choice's schema compiled
-    # (and xgrammar may still be loading).
-    tools, prompts = await blocking(request, lambda: (translator.tool_plan(body), translator.prepare(endpoint, body)))
+    # Off the event loop, unless a completion's prompts are short: the prompts are tokenized,
+    # a chat's template applied, a forced tool choice's schema compiled (and xgrammar may
+    # still be loading).
+    def plan():
+        return translator.tool_plan(body), translator.prepare(endpoint, body)
+
+    inline = isinstance(body, CompletionRequest) and tokenized_inline(body.prompts)
+    tools, prompts = plan() if inline else await blocking(request, plan)
     prepared = [store.prepare(generate, ids, None, caller.tenant) for generate, ids in prompts]
     submitter: Submitter = request.app.state.submitter
     outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in prepared), return_exceptions=True)

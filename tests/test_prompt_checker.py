@@ -1,15 +1,17 @@
 """The api's prompt checks cost what the model's limit allows, never what a client sends:
 a text too long for any prompt is refused by its length, a long one by the tokens of its
-beginning, and tokenizing one long prompt holds one tokenizer copy, never every other
-client's submit."""
+beginning, tokenizing one long prompt holds one tokenizer copy, never every other
+client's submit, and a short prompt tokenized on the event loop never waits for the
+threads' copies."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
-from api.prompts import PromptChecker
+from api.prompts import INLINE_PROMPT_CHARS, PromptChecker, tokenized_inline
 from pagedq.model_info import PromptTooLong
 from pagedq.settings import Settings
 
@@ -81,6 +83,28 @@ def test_one_prompt_being_tokenized_holds_one_copy_only(checker):
         release.set()
         for thread in others:
             thread.join(10)
+
+
+def test_a_short_prompt_on_the_event_loop_never_waits_for_the_threads_copies(checker):
+    """Short prompts are tokenized on the loop (token ids are only checked there): while
+    every pooled copy is busy with long prompts in the api's threads, the loop's own copy
+    serves them, and the loop, every client's, never blocks on the pool."""
+    assert tokenized_inline(["a" * INLINE_PROMPT_CHARS, list(range(100_000))])
+    assert not tokenized_inline(["a" * INLINE_PROMPT_CHARS, "b"])
+    held = [checker._tokenizers.get() for _ in range(4)]  # four long tokenizations in the threads
+    try:
+        result: list = []
+
+        async def on_the_loop() -> None:
+            result.append(checker._encode("hello there"))
+
+        loop = threading.Thread(target=lambda: asyncio.run(on_the_loop()))
+        loop.start()
+        loop.join(10)
+        assert result == [checker.tokenizer.encode("hello there")]
+    finally:
+        for copy in held:
+            checker._tokenizers.put(copy)
 
 
 def test_the_servers_json_whitespace_setting_fills_what_a_request_left_out(tiny_model_dir):
