@@ -4,7 +4,9 @@ Two RQ queues: interactive requests, and batch lines (redis_schema.batch_queue_n
 workers take only when the interactive queue is empty.
 
 Blocking redis-py/RQ calls run in the api's threads (api.threads), except the enqueue of a
-submission: JobStore.prepare() builds it, api.submitter sends it from the event loop.
+submission (JobStore.prepare() builds it, api.submitter sends it from the event loop) and
+the read of a job with its latest result (JobStore.read(), on the loop's own connection):
+a finished job's result, what most reads are for, needs nothing else.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import uuid
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
+from rq.results import Result
 from rq.scripts import _build_hset_args
 from rq.serializers import JSONSerializer
 
@@ -151,6 +155,32 @@ class PreparedJob:
     args: list
 
 
+@dataclass
+class StoredJob:
+    """A job as Redis holds it, and its latest result (RQ's results stream): read with it by
+    JobStore.read(), else read (blocking) when first asked for."""
+
+    job: Job
+    latest: Result | None = None
+    latest_read: bool = False
+
+    @property
+    def state(self) -> JobState:
+        return job_state(self.job.get_status(refresh=False)) or "queued"
+
+    def latest_result(self) -> Result | None:
+        if not self.latest_read:
+            self.latest, self.latest_read = self.job.latest_result(), True
+        return self.latest
+
+    def generation_result(self) -> GenerationResult:
+        """A finished job's result (as RQ's Job.return_value() gives it)."""
+        latest = self.latest_result()
+        return GenerationResult.model_validate(
+            latest.return_value if latest is not None and latest.type == Result.Type.SUCCESSFUL else None
+        )
+
+
 def idempotent_seq_id(idempotency_key: str, owner: str) -> str:
     """The seq_id a key maps to; scoped by tenant so two tenants' keys never collide."""
     digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()
@@ -236,18 +266,41 @@ class JobStore:
             raise IdempotencyConflict("Idempotency-Key: already used with a different request body")
         return job_state(job.get_status(refresh=False)) or "queued"
 
+    async def read(self, connection: AsyncRedis, seq_id: str, caller: Caller = ANYONE) -> StoredJob | None:
+        """The job and its latest result in one round trip on `connection` (the event loop's:
+        no thread), restored by RQ's own parsers; None when there is no such job or it is
+        another tenant's."""
+        async with connection.pipeline(transaction=False) as pipeline:
+            pipeline.hgetall(Job.key_for(seq_id))
+            pipeline.xrevrange(Result.get_key(seq_id), count=1)
+            raw, latest = await pipeline.execute()
+        if not raw:
+            return None
+        job = Job(seq_id, connection=self.connection, serializer=JSONSerializer)
+        try:
+            job.restore(raw)  # as Job.fetch() restores what it reads
+        except NoSuchJobError:
+            return None
+        if not caller.owns(job.meta.get(OWNER_META_KEY, "")):
+            return None
+        result = (Result.restore(seq_id, latest[0][0].decode(), latest[0][1], connection=self.connection,
+                                 serializer=JSONSerializer) if latest else None)
+        return StoredJob(job, result, latest_read=True)
+
     def snapshot(self, seq_id: str, caller: Caller) -> ResultResponse | None:
         """The job as GET /result shows it; None when there is no such job or it is another tenant's."""
         job = self._fetch(seq_id, caller)
-        if job is None:
-            return None
-        state = job_state(job.get_status(refresh=False)) or "queued"
+        return None if job is None else self.snapshot_of(StoredJob(job))
+
+    def snapshot_of(self, stored: StoredJob) -> ResultResponse:
+        """GET /result's answer for a job; blocking (its stream is read) unless it finished."""
+        job, state, seq_id = stored.job, stored.state, stored.job.id
         timings = Timings(
             enqueued=job.enqueued_at.timestamp() if job.enqueued_at else None,
             started=job.started_at.timestamp() if job.started_at and state != "queued" else None,
         )
         if state == "finished":
-            result = GenerationResult.model_validate(job.return_value())
+            result = stored.generation_result()
             return ResultResponse(
                 seq_id=seq_id, status=state, text=result.text, token_ids=result.token_ids,
                 finish_reason=result.finish_reason, prompt_logprobs=result.prompt_logprobs, completions=result.completions,
@@ -269,7 +322,7 @@ class JobStore:
         if state == "canceled":
             response.finish_reason = "abort"
         elif state == "failed":
-            response.error = self.failure_message(job)
+            response.error = failure_text(stored.latest_result())
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
         return response
 
@@ -325,19 +378,23 @@ class JobStore:
                     self._cancel(pipeline, job)  # a job that ended meanwhile stays as it ended
                 pipeline.execute()
 
-    def outcome(self, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
-        """A job's state, with its result when finished or its error when failed (the api's
-        own reading of a job it just made for the caller: no tenancy check)."""
-        job = self._fetch(seq_id)
-        if job is None:
+    async def outcome(self, connection: AsyncRedis, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
+        """A job's state, with its result when finished or its error when failed, read on the
+        event loop (the api's own reading of a job it just made for the caller: no tenancy check)."""
+        stored = await self.read(connection, seq_id)
+        if stored is None:
             return None, None, None
-        return self.job_outcome(job)
+        return self.outcome_of(stored)
 
     def job_outcome(self, job: Job) -> tuple[JobState, GenerationResult | None, str | None]:
-        state = job_state(job.get_status(refresh=False)) or "queued"
+        return self.outcome_of(StoredJob(job))
+
+    @staticmethod
+    def outcome_of(stored: StoredJob) -> tuple[JobState, GenerationResult | None, str | None]:
+        state = stored.state
         if state == "finished":
-            return state, GenerationResult.model_validate(job.return_value()), None
-        return state, None, self.failure_message(job) if state == "failed" else None
+            return state, stored.generation_result(), None
+        return state, None, failure_text(stored.latest_result()) if state == "failed" else None
 
     def _fetch(self, seq_id: str, caller: Caller = ANYONE) -> Job | None:
         """The job, if it exists and the caller may see it: another tenant's job is as absent as none."""
@@ -349,11 +406,14 @@ class JobStore:
 
     @staticmethod
     def failure_message(job: Job) -> str:
-        result = job.latest_result()
-        exc_string = (result.exc_string if result is not None else None) or ""
-        # The exception's own line, not the worker's traceback.
-        lines = [line for line in exc_string.strip().splitlines() if line.strip()]
-        return lines[-1] if lines else "job failed"
+        return failure_text(job.latest_result())
+
+
+def failure_text(result: Result | None) -> str:
+    """A failed job's message from its latest result: the exception's own line, not the worker's traceback."""
+    exc_string = (result.exc_string if result is not None else None) or ""
+    lines = [line for line in exc_string.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "job failed"
 
 
 def invalid_input(failure: str | None) -> str | None:

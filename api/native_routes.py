@@ -88,10 +88,11 @@ async def result(
     streams: StreamReader = request.app.state.streams
     if wait > 0 and (await streams.visible_state(seq_id, caller)) not in (None, *TERMINAL):
         await streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
-    snapshot = await blocking(request, store.snapshot, seq_id, caller)
-    if snapshot is None:
+    stored = await store.read(request.app.state.aredis, seq_id, caller)
+    if stored is None:
         raise ApiError(404, f"no job {seq_id!r}")
-    return snapshot
+    # A finished job's answer is all in what was read; any other reads its stream, in a thread.
+    return store.snapshot_of(stored) if stored.state == "finished" else await blocking(request, store.snapshot_of, stored)
 
 @router.delete("/result/{seq_id}", response_model=ResultResponse, responses=_ERRORS)
 async def cancel(seq_id: str, request: Request, caller: Auth) -> ResultResponse:

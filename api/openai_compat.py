@@ -347,7 +347,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
                        code="timeout")
     results = []
     for job in jobs:
-        state, result, error = await blocking(request, store.outcome, job.seq_id)
+        state, result, error = await store.outcome(request.app.state.aredis, job.seq_id)
         if state == "failed":
             if (invalid := invalid_input(error)) is not None:
                 raise ApiError(400, invalid, param=named_field(invalid), code="invalid_request")
@@ -465,7 +465,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
         try:
             async for text in _job_chunks(request, job, chunk, translator, chat):
                 await queue.put(text)
-            state, result, failure = await blocking(request, request.app.state.store.outcome, job.seq_id)
+            state, result, failure = await request.app.state.store.outcome(request.app.state.aredis, job.seq_id)
             ended.add(job.seq_id)
             if (invalid := invalid_input(failure)) is not None:
                 raise _StreamError(invalid, "invalid_request", 400)
