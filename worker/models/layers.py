@@ -61,8 +61,11 @@ class RMSNorm(nn.Module):
 # F.linear's MKL sgemm on this AMD machine at float32 rounding (max difference to float64
 # 6e-6 vs MKL's 2e-6 on a 512x2816 product); bfloat16 1.2x (batch 64) to 2.3x (batch 1)
 # faster than F.linear's own oneDNN call, which re-reads the plain weight every time.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# oneDNN's bfloat16 linears need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on a CPU with AVX2
+# only, packing a bfloat16 weight raises, and its linears stay F.linear's.
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else (
+    torch.float32,)
 # The batch size the packed layout is tuned for; every other size runs on it too.
 _PACK_BATCH_HINT = 64
 # oneDNN builds (JIT-compiles) a kernel for each input row count it meets and keeps it in a
