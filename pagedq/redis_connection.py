@@ -28,6 +28,8 @@ from redis import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import ConnectionPool as AsyncConnectionPool
 from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.exceptions import (
@@ -159,6 +161,11 @@ def connect(url: str, **options: Any) -> Redis:
 
 
 def connect_async(url: str, **options: Any) -> AsyncRedis:
+    """connect() for redis.asyncio. A command or pipeline whose pooled connection Redis closed
+    (it restarted, or failed over) is sent once more on a new connection: the blocking
+    client's pool finds such a connection before handing it out, the asyncio one does not,
+    and the api's first read after a restart answered 503 for it."""
+    options.setdefault("retry", AsyncRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
     return AsyncRedis.from_pool(async_connection_pool(url, **options))
 
 
