@@ -28,7 +28,7 @@ def redis_server(tmp_path_factory):
 
 
 def _ended_job(store: JobStore, owner: str, status: JobStatus, result: GenerationResult | None = None) -> Job:
-    """A job queued as the api queues it, ended as a worker ends it (RQ's result, the status)."""
+    """A job queued as the api queues it, then given `status` and the result a worker records with it."""
     request = GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=2)
     prepared = store.prepare(request, [1, 2, 3], None, owner)
     store.connection.eval(ENQUEUE_SCRIPT, len(prepared.keys), *prepared.keys, *prepared.args)
