@@ -291,14 +291,15 @@ def test_a_failure_or_drain_writes_nothing_for_a_job_rerun_elsewhere(model, tmp_
         worker.bootstrap()
         try:
             wait_until(lambda: worker._tick() or len(worker.inflight) == 2, 30, "both jobs to start here")
-            entries = {entry.job.id: entry for entry in worker.inflight.values()}
+            entries = {entry.job.id: entry for entry in worker.inflight}
             with redis.pipeline() as pipeline:
                 for job in jobs(redis, list(entries)):
                     record_execution(pipeline, job, f"{job.id}:another-execution")
                 pipeline.execute()
-            drained = worker.inflight.pop(entries["fenced-drain"].request_id)  # kept for the drain below
+            drained = entries["fenced-drain"]
+            worker.inflight.remove(drained)  # kept for the drain below
             worker._fail_inflight((RuntimeError, RuntimeError("engine failure"), None))
-            worker.inflight[drained.request_id] = drained
+            worker.inflight.add(drained)
             worker._requeue_inflight()
         finally:
             worker.teardown()

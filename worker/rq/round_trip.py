@@ -1,19 +1,40 @@
-"""What the batch worker's one Redis round trip per tick carries and what comes back, by name.
+"""The batch worker's one Redis round trip per tick: what it carries, how it runs beside
+the engine, and what comes back, by name.
 
 The round trip is one pipeline: the publish script (the step's deltas and partial
 results), the fenced success writes of the jobs the engine finished, the engine stats,
-then SYNC_SCRIPT, which says what the worker must learn from Redis. Its replies are read
-into `RoundTripReplies`, each part its own reply or the refusal Redis gave in its place
-(the pipeline runs with raise_on_error off), so each part is retried or not on its own.
+then SYNC_SCRIPT, which says what the worker must learn from Redis. `RoundTrips.send()`
+queues it and runs it on an I/O thread while the engine steps; the thread then marks the
+jobs it took started (worker/rq/job_starts.py). Its replies are read into
+`RoundTripReplies`, each part its own reply or the refusal Redis gave in its place (the
+pipeline runs with raise_on_error off), so each part is retried or not on its own.
+
+Writes need no check of their own: each is fenced (owns() in redis_schema), so a job
+reaped after a stall and rerun elsewhere never gets a write from here. Which in-flight
+jobs are still ours is checked when the api's cancel counter moved (so a cancel aborts
+its job within a step), every reaper interval (cancels made through RQ directly), and
+after a Redis outage.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import redis.exceptions
+from redis.client import Pipeline
 from rq.job import JobStatus
 from rq.queue import Queue
 from rq.utils import as_text
+from rq.worker import BaseWorker
+
+from pagedq.redis_connection import passing_redis_trouble
+from pagedq.redis_schema import cancels_key, queue_fenced_commands
+from worker.rq import outcomes
+from worker.rq.inflight import InFlight, InFlightJobs, PendingSync, Started
+from worker.rq.publisher import ProgressPublisher
 
 # 1. the api's cancel counter (see redis_schema.cancels_key);
 # 2. which of the given in-flight jobs are no longer ours to run: not started (canceled,
@@ -117,3 +138,133 @@ class RoundTripReplies:
         sync = replies[-1]
         return cls(published_reply, successes_reply, sync if isinstance(sync, Exception) else SyncAnswer.read(sync),
                    [reply for reply in replies if isinstance(reply, Exception)])
+
+    def refusal(self) -> Exception | None:
+        """What to raise for the parts Redis refused: trouble that passes (the work loop
+        waits it out), unless one refusal is of another kind (a bug: raised)."""
+        if not self.refusals:
+            return None
+        return next((exc for exc in self.refusals if passing_redis_trouble(exc) is None), self.refusals[0])
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A round trip that ran: its replies, the jobs the I/O thread started, the Redis
+    error that cut their start short (the ids taken but not started are requeued by a
+    reaper, as a dead worker's are), and the jobs the publish script refused to write for
+    (no longer ours)."""
+
+    replies: RoundTripReplies
+    started: list[Started]
+    start_error: Exception | None
+    refused_job_ids: list[str]
+
+
+class RoundTrips:
+    """Sends the worker's round trips on an I/O thread (one at a time) and reads them back:
+    the publisher learns what was sent, and `lost()` which in-flight jobs are no longer ours."""
+
+    def __init__(self, worker: BaseWorker, inflight: InFlightJobs, publisher: ProgressPublisher, *,
+                 heartbeat_ttl_s: int, stream_ttl_s: int, full_check_interval_s: float,
+                 queue_engine_stats: Callable[[Pipeline], None], start_jobs: Callable[[list[str]], list[Started]]):
+        # The RQ worker whose name, queues and counters the round trip's writes carry.
+        self._worker = worker
+        self._inflight = inflight
+        self._publisher = publisher
+        self._heartbeat_ttl_s = heartbeat_ttl_s
+        self._stream_ttl_s = stream_ttl_s
+        self._full_check_interval_s = full_check_interval_s
+        self._queue_engine_stats = queue_engine_stats
+        self._start_jobs = start_jobs
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
+        self._cancels_seen = b""
+        self._next_full_check = 0.0
+
+    def check_all_next(self) -> None:
+        """The next round trip checks every in-flight job (after a Redis outage)."""
+        self._next_full_check = 0.0
+
+    def send(self, take: int, batch_take: int, full: bool = False) -> PendingSync:
+        """Queue one round trip and start it on the I/O thread: what the publisher holds
+        (fenced), the results of the jobs the engine finished (RQ's success writes, fenced,
+        then each stream's "end"), the engine stats, and SYNC_SCRIPT, taking up to `take`
+        new jobs in all and `batch_take` from the batch queue. `full`: check every in-flight
+        job (else only when a check is due)."""
+        full = full or time.monotonic() >= self._next_full_check
+        pending = PendingSync(checked=self._inflight.running() if full else [], full=full)
+        fences = {entry.job.id: entry.execution.composite_key for entry in self._inflight}
+        pipeline = self._worker.connection.pipeline(transaction=False)
+        pending.sending = self._publisher.publish(pipeline, fences.__getitem__)
+        pending.finishing = self._inflight.finishing()
+        if pending.finishing:
+            queue_fenced_commands(pipeline, [outcomes.success(self._worker, entry, self._heartbeat_ttl_s, self._stream_ttl_s)
+                                             for entry in pending.finishing])
+        self._queue_engine_stats(pipeline)
+        self._call_sync(pipeline, take, [take, batch_take], pending.checked)
+        pending.future = self._io.submit(self._run, pipeline, pending)
+        return pending
+
+    def wait(self, pending: PendingSync) -> Completed:
+        """Wait for the round trip; the publisher learns what it sent. Raises what broke
+        it off (the publisher then takes it as maybe sent)."""
+        try:
+            replies, started, start_error = pending.future.result()
+        except BaseException:
+            self._publisher.uncertain(pending.sending)  # the pipeline may have run before the reply was lost
+            raise
+        refused: list[str] = []
+        if isinstance(replies.published, Exception):
+            self._publisher.failed(pending.sending)  # nothing was written: sent again next time
+        elif pending.sending.queued:
+            refused = self._publisher.published(pending.sending, replies.published)
+        return Completed(replies, started, start_error, refused)
+
+    def lost(self, pending: PendingSync, completed: Completed) -> list[InFlight]:
+        """The in-flight jobs a round trip Redis answered says are no longer ours:
+        canceled, deleted, or reaped after a stall. When the api's cancel counter moved
+        since the last look, every job is checked now (one more call)."""
+        sync = completed.replies.sync
+        lost = {pending.checked[position - 1].request_id: pending.checked[position - 1]
+                for position in sync.lost_positions}
+        refused = set(completed.refused_job_ids)
+        for entry in self._inflight:
+            if entry.job.id in refused:
+                lost[entry.request_id] = entry
+        full = pending.full
+        if not full and sync.cancels != self._cancels_seen:
+            running = self._inflight.running()
+            for position in SyncAnswer.read(self._call_sync(self._worker.connection, 0, [0, 0], running)).lost_positions:
+                lost[running[position - 1].request_id] = running[position - 1]
+            full = True
+        self._cancels_seen = sync.cancels
+        if full:
+            self._next_full_check = time.monotonic() + self._full_check_interval_s
+        return [entry for entry in lost.values() if entry in self._inflight]
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
+
+    def _call_sync(self, target, take: int, limits: list[int], checked: list[InFlight]):
+        worker = self._worker
+        return call_sync(target, cancels_key(worker.queues[0].name), worker.queues, take, limits,
+                         [CheckedJob(entry.job.key, entry.queue.started_job_registry.key, entry.execution.composite_key)
+                          for entry in checked], worker.name)
+
+    def _run(self, pipeline: Pipeline, pending: PendingSync) -> tuple[RoundTripReplies, list[Started], Exception | None]:
+        """On the I/O thread: the round trip, then the start of the jobs it took. Each
+        command's reply comes back on its own, a refusal in its place (raise_on_error
+        off): a script Redis refused wrote nothing (Redis refuses a script at its first
+        write, never half way), one it ran wrote everything, so each part is retried or
+        not by its own reply. A Redis error in the start comes back beside the replies."""
+        with pipeline:
+            replies = RoundTripReplies.read(pipeline.execute(raise_on_error=False), pending.sending.queued,
+                                            bool(pending.finishing))
+        if isinstance(replies.sync, Exception):
+            return replies, [], None
+        taken = replies.sync.taken
+        try:
+            return replies, self._start_jobs(taken) if taken else [], None
+        except redis.exceptions.RedisError as exc:
+            if passing_redis_trouble(exc) is None:
+                raise
+            return replies, [], exc
