@@ -30,11 +30,13 @@ from rq.serializers import JSONSerializer
 from api.auth import ANYONE, Caller
 from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
 from pagedq.redis_schema import (
+    ANNOUNCE_LUA,
     BODY_HASH_META_KEY,
     ENDED_KEY,
     ENDED_MAXLEN,
     JOB_FUNCTION,
     OWNER_META_KEY,
+    WRITTEN_KEY,
     InvalidJob,
     JobState,
     Partial,
@@ -85,10 +87,10 @@ _CANCEL_CHUNK = 2000
 # cancel finds it finished) or loses (its fenced success write finds it no longer started):
 # never both, never an "end" twice. (RQ's job.cancel() reads, then writes.)
 # KEYS: the job hash, its queue, its canceled registry, the cancel counter, its stream, the
-# stream of ends. ARGV: the job id, now, the job's TTL, the stream's TTL, the stream of
+# stream of ends, WRITTEN_KEY (where the stream's write is announced). ARGV: the job id, now, the job's TTL, the stream's TTL, the stream of
 # ends' length, the canceled status, then the statuses a job can be canceled from.
 # Returns the status the job had (false: no such job).
-_CANCEL_ONE = """
+_CANCEL_ONE = ANNOUNCE_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 local cancelable = false
@@ -104,6 +106,7 @@ redis.call('INCR', KEYS[4])
 redis.call('XADD', KEYS[5], '*', 'type', 'end', 'status', 'canceled', 'finish_reason', 'abort')
 redis.call('EXPIRE', KEYS[5], ARGV[4])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'seq_id', ARGV[1])
+announce(KEYS[7], KEYS[5])
 return status
 """
 _CANCELABLE = (JobStatus.CREATED, JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED, JobStatus.STARTED)
@@ -343,7 +346,8 @@ class JobStore:
         """_CANCEL_ONE for one job, on a connection or a pipeline."""
         queue = Queue(job.origin, connection=self.connection, serializer=JSONSerializer)
         registry = CanceledJobRegistry(job.origin, connection=self.connection, serializer=JSONSerializer)
-        keys = [job.key, queue.key, registry.key, cancels_key(self.settings.queue_name), stream_key(job.id), ENDED_KEY]
+        keys = [job.key, queue.key, registry.key, cancels_key(self.settings.queue_name), stream_key(job.id), ENDED_KEY,
+                WRITTEN_KEY]
         args = [job.id, time.time(), self.settings.result_ttl_s, self.settings.stream_ttl_s, ENDED_MAXLEN,
                 JobStatus.CANCELED.value, *(status.value for status in _CANCELABLE)]
         # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.

@@ -10,6 +10,11 @@ tenth of the api's CPU with a few hundred streams open).
 One `StreamHub` per api process follows every stream its clients wait on with a single
 blocking XREAD: an XREAD per client would cost a Redis round trip per token per client,
 which at a few thousand tokens a second costs the api more CPU than the engine's steps.
+That read takes only the streams with news, so its cost follows them, not every stream
+followed (hundreds of queued jobs' streams are followed and quiet): it blocks on the
+streams that had entries lately and on the announcements of stream writes
+(redis_schema.WRITTEN_KEY), and reads the other streams announced at once. Every stream
+followed is read each `block_s` too, so a write never announced is relayed all the same.
 Long-poll waiters need only their jobs' ends, so the hub follows the one stream of every
 job's end (redis_schema.ENDED_KEY) for them, not their jobs' tokens.
 """
@@ -37,6 +42,7 @@ from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import (
     ENDED_KEY,
     TERMINAL,
+    WRITTEN_KEY,
     Entry,
     Event,
     JobState,
@@ -52,6 +58,10 @@ _STREAM_ID = re.compile(r"^(\d{1,20})-(\d{1,20})$")
 # Each half of a Redis stream entry id is an unsigned 64-bit integer.
 _MAX_ID_PART = 2**64 - 1
 log = logging.getLogger("pagedq.api")
+# Entries one read takes of each stream at most.
+_READ_COUNT = 512
+# A stream that had entries this recently is in every read (see StreamHub._hot).
+_HOT_S = 2.0
 # How often a stream tries again while Redis is in trouble.
 _OUTAGE_RETRY_S = 0.5
 
@@ -100,6 +110,7 @@ class StreamHub:
         waiter's job whose status is terminal (or gone) is woken, checked this often (None:
         neither; the caller looks for itself)."""
         self.connection = connection
+        self.block_s = block_s
         self.block_ms = int(block_s * 1000)
         self.quiet_s = quiet_s
         # XADDed to when a follower joins, so the blocked XREAD returns and takes it in. The
@@ -112,6 +123,14 @@ class StreamHub:
         # are in the next read anyway (a burst of streams opening sends one wake, not one each).
         self._wake_pending = False
         self._followers: dict[str, set[_Follower]] = {}
+        # Followed streams to read next: announced written, or just followed.
+        self._news: set[str] = set()
+        # Followed streams that had entries lately, by when they last did (monotonic): every
+        # read includes them, so a write to one returns the blocked read itself.
+        self._hot: dict[str, float] = {}
+        # Where the hub is in WRITTEN_KEY, and when it next reads every stream it follows (monotonic).
+        self._written_cursor = "0-0"
+        self._sweep_at = 0.0
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
         # When each end waiter's job is next checked (monotonic), with quiet_s.
@@ -126,6 +145,7 @@ class StreamHub:
         key = stream_key(seq_id)
         follower = _Follower(seq_id, cursor)
         self._followers.setdefault(key, set()).add(follower)
+        self._news.add(key)  # what the stream holds after `cursor` already
         try:
             await self._take_in()
             yield follower.batches
@@ -248,26 +268,71 @@ class StreamHub:
                 for waiter in self._enders.get(seq_id, ()):
                     waiter.set()
 
+    def _to_read(self) -> tuple[dict[str, str], bool]:
+        """The followed streams to read now, with the cursor to read each from, and whether
+        the read must return at once: those with news (announced written since the last
+        read, or just followed), those that had entries lately (blocked on), and, each
+        `block_s`, every one (a write never announced is read then)."""
+        news, self._news = self._news, set()
+        now = time.monotonic()
+        if now >= self._sweep_at:
+            news = set(self._followers)
+            self._sweep_at = now + self.block_s
+        for key, at in list(self._hot.items()):
+            if now - at > _HOT_S or key not in self._followers:
+                del self._hot[key]
+        news.intersection_update(self._followers)
+        cursors = {key: _earliest_cursor(self._followers[key]) for key in news.union(self._hot)}
+        return cursors, bool(news)
+
+    def _take_announcements(self, raw_entries: list) -> None:
+        """WRITTEN_KEY's new entries: the streams followed here among those written have
+        news, to read at once, unless they are hot: the next read includes those anyway
+        (kept hot for it), and returns at once if they hold entries it has not read."""
+        self._written_cursor = raw_entries[-1][0].decode()
+        now = time.monotonic()
+        for _, fields in raw_entries:
+            for key in fields.get(b"keys", b"").decode().split():
+                if key in self._hot:
+                    self._hot[key] = now
+                elif key in self._followers:
+                    self._news.add(key)
+
     async def _run(self) -> None:
         try:
+            # Where the announcements stand before the first read (of every stream): a
+            # write after that read is announced after this cursor.
+            last = await self.connection.xrevrange(WRITTEN_KEY, count=1)
+            self._written_cursor = last[0][0].decode() if last else "0-0"
+            self._sweep_at = 0.0
             while self._followers or self._enders:
-                cursors = {key: _earliest_cursor(followers) for key, followers in self._followers.items()}
-                ended = {ENDED_KEY: self._ended_cursor} if self._ended_cursor is not None else {}
+                cursors, at_once = self._to_read()
+                control = {WRITTEN_KEY: self._written_cursor} if self._followers else {}
+                if self._ended_cursor is not None:
+                    control[ENDED_KEY] = self._ended_cursor
+                control[self._wake_key] = self._wake_cursor
                 self._wake_pending = False
                 # Followers joining during the read fall due later than those before it.
                 due = self._quiet_due()
+                # Streams with news: at once. Else blocked until a write to a stream that had
+                # entries lately, an announcement, an end, a wake, or a quiet check or the
+                # next read of every stream falls due.
+                block = None if at_once else self._block_ms(min(due, self._sweep_at))
                 try:
-                    reply = await self.connection.xread(
-                        {**cursors, **ended, self._wake_key: self._wake_cursor}, count=512, block=self._block_ms(due)
-                    )
+                    reply = await self.connection.xread({**cursors, **control}, count=_READ_COUNT, block=block)
                 except ResponseError as exc:
                     # Redis refused one stream's read: only that stream's followers hear of it.
                     await self._drop_refused(cursors, exc)
+                    self._news.update(cursors)  # the others are read again at once
                     continue
+                announcements: list = []
                 for raw_key, raw_entries in reply or []:
                     key = raw_key.decode()
                     if key == self._wake_key:
                         self._wake_cursor = raw_entries[-1][0].decode()
+                        continue
+                    if key == WRITTEN_KEY:
+                        announcements = raw_entries
                         continue
                     if key == ENDED_KEY:
                         self._ended_cursor = raw_entries[-1][0].decode()
@@ -275,8 +340,11 @@ class StreamHub:
                             for waiter in self._enders.get(fields.get(b"seq_id", b"").decode(), ()):
                                 waiter.set()
                         continue
+                    if len(raw_entries) == _READ_COUNT:
+                        self._news.add(key)  # more than one read's worth: the rest next
                     entries = decode_entries(raw_entries)
                     now = time.monotonic()
+                    self._hot[key] = now
                     for follower in self._followers.get(key, ()):
                         if follower.cursor == cursors.get(key):
                             new = entries  # read from its own cursor (the usual one follower a stream)
@@ -287,6 +355,9 @@ class StreamHub:
                             follower.cursor = new[-1][0]
                             follower.fed_at = now
                             follower.batches.put_nowait(new)
+                # After the streams' entries: a stream this read returned is hot now.
+                if announcements:
+                    self._take_announcements(announcements)
                 if time.monotonic() >= due:
                     await self._check_quiet()
         except Exception as exc:  # Redis gone (or a bug): every follower learns of it, none hangs

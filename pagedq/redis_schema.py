@@ -152,6 +152,27 @@ ENDED_KEY = "pagedq:ended"
 ENDED_MAXLEN = 10_000
 
 
+# Every write to jobs' streams is announced here, as {"keys": "<stream key> <stream key> ..."}
+# (one entry per script call or pipeline that wrote), so the api's hub reads only the
+# streams that have news instead of every stream it follows on every read (a read's cost
+# grows with its keys: 1.9 ms of the api's CPU for 512 streams, 0.6 ms for the 57 with news).
+# Trimmed to about WRITTEN_MAXLEN entries: a hub further behind reads every stream it
+# follows each second anyway (api.streaming.StreamHub), so nothing is lost, only later.
+WRITTEN_KEY = "pagedq:streams-written"
+WRITTEN_MAXLEN = 1_000
+# announce(written key, space-separated stream keys) in a script that writes streams.
+ANNOUNCE_LUA = f"""
+local function announce(written_key, stream_keys)
+    redis.call('XADD', written_key, 'MAXLEN', '~', {WRITTEN_MAXLEN}, '*', 'keys', stream_keys)
+end
+"""
+
+
+def announce_written(pipeline: Pipeline, stream_keys: list[str]) -> None:
+    """Queue the announcement of writes to these streams (after the writes, in the same pipeline)."""
+    pipeline.xadd(WRITTEN_KEY, {"keys": " ".join(stream_keys)}, maxlen=WRITTEN_MAXLEN, approximate=True)
+
+
 def api_wake_key(token: str) -> str:
     """A stream an api process XADDs to so its own blocked XREAD returns (api.streaming.StreamHub)."""
     return f"pagedq:api-wake:{token}"
@@ -196,7 +217,8 @@ def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
 # small model the worker's Redis traffic would otherwise cost as much as the step itself.
 # A job's stream is also its partial result (read_partial): each token travels once, in
 # the delta that carries it, and nothing is rewritten as the job grows.
-# KEYS: per job, its hash and its stream. ARGV: the stream TTL, then per job: its
+# KEYS: per job, its hash and its stream, then WRITTEN_KEY (the streams written are
+# announced there, in one entry). ARGV: the stream TTL, then per job: its
 # execution's composite key (owns() above), its number of deltas (a job with n > 1 outputs
 # has one per output) and DELTA_ARGS per delta: (index, text, num_tokens, new, logprobs,
 # check, ids, first_token). `ids`: the delta's token ids, comma-separated. `logprobs` is ""
@@ -209,7 +231,7 @@ def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
 # so each piece is either wholly in the stream or wholly not. A job whose execution no
 # longer owns it gets nothing written; the script returns those jobs' positions (1-based).
 DELTA_ARGS = 8
-PUBLISH_STEP_SCRIPT = _OWNS_LUA + f"""
+PUBLISH_STEP_SCRIPT = _OWNS_LUA + ANNOUNCE_LUA + f"""
 -- num_tokens of output `index`'s last delta in the stream since its last reset (0: none).
 local function tokens_in(stream, index)
     local before = '+'
@@ -225,8 +247,8 @@ local function tokens_in(stream, index)
         before = '(' .. entries[#entries][1]
     end
 end
-local ttl, at, lost = ARGV[1], 2, {{}}
-for j = 1, #KEYS / 2 do
+local ttl, at, lost, written = ARGV[1], 2, {{}}, {{}}
+for j = 1, (#KEYS - 1) / 2 do
     local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
     local execution, deltas = ARGV[at], tonumber(ARGV[at + 1])
     local mine = owns(job_key, execution)
@@ -254,11 +276,13 @@ for j = 1, #KEYS / 2 do
                 if ARGV[at + 3] == '1' then
                     redis.call('EXPIRE', stream, ttl)
                 end
+                if written[#written] ~= stream then written[#written + 1] = stream end
             end
             at = at + {DELTA_ARGS}
         end
     end
 end
+if #written > 0 then announce(KEYS[#KEYS], table.concat(written, ' ')) end
 return lost
 """
 
@@ -316,6 +340,7 @@ def _append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: di
     key = stream_key(seq_id)
     pipeline.xadd(key, fields)
     pipeline.expire(key, stream_ttl_s)
+    announce_written(pipeline, [key])
 
 
 def publish_reset(pipeline: Pipeline, seq_id: str, attempt: int, stream_ttl_s: int) -> None:

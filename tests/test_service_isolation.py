@@ -29,7 +29,15 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from api.streaming import StreamHub, StreamReader
-from pagedq.redis_schema import JOB_FUNCTION, InvalidJob, RequestFailed, failure_line, publish_end, stream_key
+from pagedq.redis_schema import (
+    JOB_FUNCTION,
+    InvalidJob,
+    RequestFailed,
+    announce_written,
+    failure_line,
+    publish_end,
+    stream_key,
+)
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
 
@@ -267,7 +275,10 @@ def test_streams_opened_in_a_burst_join_the_hubs_read_at_once_on_few_wakes(servi
                         *(stack.enter_async_context(hub.follow(f"burst-{i}", "0-0")) for i in range(50))
                     )
                     for i in range(50):
-                        await connection.xadd(stream_key(f"burst-{i}"), {"type": "delta", "text": str(i)})
+                        async with connection.pipeline(transaction=False) as pipeline:
+                            pipeline.xadd(stream_key(f"burst-{i}"), {"type": "delta", "text": str(i)})
+                            announce_written(pipeline, [stream_key(f"burst-{i}")])
+                            await pipeline.execute()
                     batches = await asyncio.wait_for(asyncio.gather(*(queue.get() for queue in queues)), 10)
                     took = time.monotonic() - started
                 wakes = (await connection.xinfo_stream(hub._wake_key))["entries-added"]
@@ -279,6 +290,55 @@ def test_streams_opened_in_a_burst_join_the_hubs_read_at_once_on_few_wakes(servi
     batches, wakes, took = asyncio.run(run())
     assert [batch[0][1]["text"] for batch in batches] == [str(i) for i in range(50)]
     assert took < 5 and 1 <= wakes <= 3
+
+
+def test_the_stream_hub_reads_the_streams_announced_written_and_every_stream_each_block(service):
+    """Between its reads of every stream followed (each block_s), the hub reads only those
+    whose writes were announced (redis_schema.WRITTEN_KEY): a busy stream among a hundred
+    quiet ones costs reads of one stream, not of a hundred and one. A write never announced
+    is relayed all the same, by the next read of every stream."""
+    _, _, redis_server = service
+
+    async def run() -> tuple[list[str], list[str], list[int]]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        hub = StreamHub(connection, block_s=2.0)
+        read_sizes: list[int] = []
+        xread = connection.xread
+
+        def counting_xread(streams, *args, **kwargs):
+            read_sizes.append(sum(key.startswith(stream_key("")) for key in streams))
+            return xread(streams, *args, **kwargs)
+
+        connection.xread = counting_xread
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for i in range(100):
+                    await stack.enter_async_context(hub.follow(f"quiet-{i}", "0-0"))
+                busy = await stack.enter_async_context(hub.follow("busy", "0-0"))
+                unannounced = await stack.enter_async_context(hub.follow("unannounced", "0-0"))
+                await asyncio.sleep(0.3)  # past the first read of every stream
+                read_sizes.clear()
+                texts = []
+                for i in range(20):
+                    async with connection.pipeline(transaction=False) as pipeline:
+                        pipeline.xadd(stream_key("busy"), {"type": "delta", "text": str(i)})
+                        announce_written(pipeline, [stream_key("busy")])
+                        await pipeline.execute()
+                    texts += [fields["text"] for _, fields in await asyncio.wait_for(busy.get(), 1.0)]
+                busy_reads = list(read_sizes)
+                await connection.xadd(stream_key("unannounced"), {"type": "delta", "text": "late"})
+                late = [fields["text"] for _, fields in await asyncio.wait_for(unannounced.get(), 10)]
+                return texts, late, busy_reads
+        finally:
+            await hub.close()
+            await connection.aclose()
+
+    texts, late, busy_reads = asyncio.run(run())
+    assert texts == [str(i) for i in range(20)]
+    assert late == ["late"]
+    # Each announcement: a blocked read (no stream) and a read of the one announced; a read
+    # of all 102 only should the 2 s sweep fall inside the writes.
+    assert busy_reads and sum(size > 1 for size in busy_reads) <= 1, busy_reads
 
 
 def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_status(service):

@@ -15,7 +15,17 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedq.redis_schema import DELTA_ARGS, decode_entries, publish_reset, read_events, read_partial, stream_key
+from pagedq.redis_schema import (
+    DELTA_ARGS,
+    UNFENCED,
+    WRITTEN_KEY,
+    decode_entries,
+    publish_end,
+    publish_reset,
+    read_events,
+    read_partial,
+    stream_key,
+)
 from pagedq.redis_server import RedisServer
 from worker.rq.publisher import Delta, ProgressPublisher
 
@@ -188,6 +198,42 @@ def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis
     assert streamed.due("publisher-streamed")  # stream_interval_s 0: every round trip
     partial = read_partial(_entries(redis, seq_id))
     assert (partial.text, partial.token_ids) == (request.completions[0].text, request.completions[0].token_ids)
+
+
+def test_every_write_to_a_stream_is_announced_with_the_streams_it_wrote(redis):
+    """The api's hub reads only the streams announced in WRITTEN_KEY (between its reads of
+    every stream): one entry per send naming each stream it wrote, not a job whose delta
+    the fence refused; a reset and an end announce their stream too."""
+
+    def announced_since(cursor: bytes) -> list[list[str]]:
+        return [fields[b"keys"].decode().split() for _, fields in redis.xrange(WRITTEN_KEY, f"({cursor.decode()}", "+")]
+
+    def last_id() -> bytes:
+        last = redis.xrevrange(WRITTEN_KEY, count=1)
+        return last[0][0] if last else b"0-0"
+
+    publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    seq_ids = ["announce-a", "announce-b", "announce-not-ours"]
+    for seq_id in seq_ids:
+        publisher.track(_job(redis, seq_id))
+        request = _Outputs(seq_id, 2, False)
+        request.completions[0].token_ids.append(1)
+        request.completions[1].token_ids.append(2)
+        publisher.update(seq_id, request.output())
+    before = last_id()
+    pipeline = redis.pipeline(transaction=False)
+    # Owned by another execution (its job hash names none): nothing written, nothing announced.
+    sending = publisher.publish(pipeline, lambda seq_id: "another:execution" if seq_id == "announce-not-ours" else UNFENCED)
+    assert publisher.published(sending, pipeline.execute()[-1]) == ["announce-not-ours"]
+    assert [sorted(keys) for keys in announced_since(before)] == [[stream_key("announce-a"), stream_key("announce-b")]]
+    assert redis.xlen(stream_key("announce-a")) == 2  # one delta per output, the stream named once
+
+    before = last_id()
+    with redis.pipeline(transaction=False) as pipeline:
+        publish_reset(pipeline, "announce-a", 2, 600)
+        publish_end(pipeline, "announce-b", "finished", 600)
+        pipeline.execute()
+    assert announced_since(before) == [[stream_key("announce-a")], [stream_key("announce-b")]]
 
 
 def test_a_delta_sends_what_the_script_reads():

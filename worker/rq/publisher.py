@@ -33,6 +33,7 @@ from pagedq.outputs import RequestOutput
 from pagedq.redis_schema import (
     PUBLISH_STEP_SCRIPT,
     UNFENCED,
+    WRITTEN_KEY,
     Progress,
     publish_reset,
     read_progress,
@@ -207,6 +208,7 @@ class ProgressPublisher:
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
             # EVAL, not EVALSHA: a pipeline cannot reload a script a restarted Redis forgot.
+            keys.append(WRITTEN_KEY)
             pipeline.eval(PUBLISH_STEP_SCRIPT, len(keys), *keys, *args)
             sending.queued = True
         return sending
