@@ -87,8 +87,9 @@ _CANCEL_CHUNK = 2000
 # cancel finds it finished) or loses (its fenced success write finds it no longer started):
 # never both, never an "end" twice. (RQ's job.cancel() reads, then writes.)
 # KEYS: the job hash, its queue, its canceled registry, the cancel counter, its stream, the
-# stream of ends, WRITTEN_KEY (where the stream's write is announced). ARGV: the job id, now, the job's TTL, the stream's TTL, the stream of
-# ends' length, the canceled status, then the statuses a job can be canceled from.
+# stream of ends, WRITTEN_KEY (where the stream's write is announced). ARGV: the job id,
+# now, the job's TTL, the stream's TTL, the stream of ends' length, the canceled status,
+# then the statuses a job can be canceled from.
 # Returns the status the job had (false: no such job).
 _CANCEL_ONE = ANNOUNCE_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
