@@ -19,20 +19,24 @@ import time
 from pathlib import Path
 
 WRITES = 400
-STREAM_PREFIX = "pagedq:stream:"
-WRITTEN_KEY = "pagedq:streams-written"
 
 
 def _writer(url: str, go, done) -> None:
     from redis import Redis
 
+    from pagedq import redis_schema
+
+    # Absent from trees older than the announcements: their hub reads every stream anyway.
+    announce_written = getattr(redis_schema, "announce_written", None)
+    busy = redis_schema.stream_key("busy")
     redis = Redis.from_url(url)
     go.wait()
     for i in range(WRITES):
         # One transaction, as every writer's (a script or MULTI): the delta and its announcement land together.
         with redis.pipeline(transaction=True) as pipeline:
-            pipeline.xadd(f"{STREAM_PREFIX}busy", {"type": "delta", "index": "0", "text": f"t{i}", "num_tokens": str(i + 1)})
-            pipeline.xadd(WRITTEN_KEY, {"keys": f"{STREAM_PREFIX}busy"}, maxlen=1000, approximate=True)
+            pipeline.xadd(busy, {"type": "delta", "index": "0", "text": f"t{i}", "num_tokens": str(i + 1)})
+            if announce_written is not None:
+                announce_written(pipeline, [busy])
             pipeline.execute()
         done.wait()
         done.clear()
@@ -44,9 +48,10 @@ async def _measure(url: str, quiet: int, go, done) -> float:
     from redis.asyncio import Redis as AsyncRedis
 
     from api.streaming import StreamHub
+    from pagedq.redis_schema import stream_key
 
     connection = AsyncRedis.from_url(url)
-    await connection.delete(f"{STREAM_PREFIX}busy")  # the last count's writes
+    await connection.delete(stream_key("busy"))  # the last count's writes
     hub = StreamHub(connection, block_s=1.0)
     try:
         async with contextlib.AsyncExitStack() as stack:

@@ -153,7 +153,7 @@ ENDED_MAXLEN = 10_000
 
 
 # Every write to jobs' streams is announced here, as {"keys": "<stream key> <stream key> ..."}
-# (one entry per script call or pipeline that wrote), so the api's hub reads only the
+# (one entry per script call that wrote, and one per event appended by _append_event), so the api's hub reads only the
 # streams that have news instead of every stream it follows on every read (a read's cost
 # grows with its keys: 1.9 ms of the api's CPU for 512 streams, 0.6 ms for the 57 with news).
 # Trimmed to about WRITTEN_MAXLEN entries: a hub further behind reads every stream it
