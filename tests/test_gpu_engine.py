@@ -120,3 +120,29 @@ def test_overlapped_sampling_on_cuda_matches_steps_one_at_a_time(tiny_model_dir)
         return [[(c.token_ids, c.finish_reason, [sorted(e) for e in c.logprobs or []]) for c in o.outputs] for o in outputs]
 
     assert run(True) == run(False)
+
+
+def test_inputs_prepared_faster_than_the_device_reads_them_stay_intact():
+    """InputBatch refills a pinned staging buffer only once the device has read its last
+    copy: ModelRunner.compile_served_shapes prepares forwards back to back without reading
+    anything back, and an overwritten buffer had fed one forward another's token ids,
+    positions and slots (out-of-range indices: a device-side assert, CUBLAS failures at a
+    fresh engine's start on an H200). The device is held busy so that every copy is still
+    queued when the next plans are written."""
+    from worker.input_batch import InputBatch, StepPlan
+
+    batch = InputBatch(max_blocks_per_seq=8, block_size=16, device=torch.device("cuda"), vocab_size=1000, initial_rows=4)
+
+    def plan(first_token: int, query_len: int) -> StepPlan:
+        return StepPlan(rows=[0], starts=[0], query_lens=[query_len], token_ids=list(range(first_token, first_token + query_len)),
+                        pending_at=[], pending_from=[], logits_of=[0], changed_rows=[(0, [3, 5])], owners=[None])
+
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the stream's time before any copy runs
+    prepared = [(first, batch.prepare(plan(first, 5 + first % 7), None)) for first in (100, 200, 300, 400, 500)]
+    torch.cuda.synchronize()
+    for first, inputs in prepared:
+        query_len = 5 + first % 7
+        assert inputs.input_ids.tolist() == list(range(first, first + query_len))
+        assert inputs.positions.tolist() == list(range(query_len))
+        assert inputs.metadata.slot_mapping.tolist() == [3 * 16 + p for p in range(query_len)]
+        assert inputs.metadata.seq_lens.tolist() == [query_len]

@@ -11,9 +11,9 @@ arrays, never a Python loop over tokens.
 
 On a GPU the step's integers go to the device in one non-blocking copy from pinned
 memory (two staging buffers, used alternately: a copy may still be in flight while the
-next step is prepared), and a sequence whose last token was sampled by the step before
-takes it from that step's sampled ids, which never left the device. On a CPU the same
-arrays are used in place.
+next step is prepared; a buffer is refilled only once its last copy is done), and a
+sequence whose last token was sampled by the step before takes it from that step's
+sampled ids, which never left the device. On a CPU the same arrays are used in place.
 """
 
 from __future__ import annotations
@@ -111,6 +111,8 @@ class InputBatch:
             torch.zeros((initial_rows, max_blocks_per_seq), dtype=torch.int32, device=device) if self._on_gpu else None
         )
         self._staging: list[torch.Tensor] = []
+        # Per staging buffer, the event recorded after its last copy was queued.
+        self._copied: list[torch.cuda.Event] = []
         self._next_staging = 0
 
     def prepare(self, plan: StepPlan, last_sampled: torch.Tensor | None) -> StepInputs:
@@ -205,29 +207,37 @@ class InputBatch:
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """One pinned staging buffer holds every array; one non-blocking copy moves it."""
         total = sum(len(a) for a in arrays)
-        staging = self._staging_buffer(total)
+        index = self._staging_buffer(total)
+        staging = self._staging[index]
         host = staging.numpy()
         offset = 0
         for array in arrays:
             host[offset : offset + len(array)] = array
             offset += len(array)
         device = staging[:total].to(self.device, non_blocking=True)
+        self._copied[index].record()
         out, offset = [], 0
         for array in arrays:
             out.append(device[offset : offset + len(array)])
             offset += len(array)
         return out
 
-    def _staging_buffer(self, size: int) -> torch.Tensor:
-        """Two buffers, used in turn: the previous step's copy may still be in flight while
-        this one is filled (steps overlap at most two deep, and a step's copy is done once
-        its sampled ids have reached the host)."""
+    def _staging_buffer(self, size: int) -> int:
+        """The index of a staging buffer of at least `size` that no queued copy still reads.
+        Two buffers, used in turn: the previous step's copy may still be in flight while
+        this one is filled. In the engine's loop the other buffer's copy is done by now (steps
+        overlap at most two deep, and a step's copy is done once its sampled ids have reached
+        the host), so the wait costs nothing there; a caller that prepares forwards faster
+        than the device runs them (ModelRunner.compile_served_shapes) waits here instead of
+        overwriting an earlier forward's inputs before the device has read them."""
         if len(self._staging) < 2:
             self._staging.append(torch.empty(max(size, 4096), dtype=torch.int64, pin_memory=True))
+            self._copied.append(torch.cuda.Event())
             buffer_index = len(self._staging) - 1
         else:
             buffer_index = self._next_staging
+            self._copied[buffer_index].synchronize()
             if len(self._staging[buffer_index]) < size:
                 self._staging[buffer_index] = torch.empty(2 * size, dtype=torch.int64, pin_memory=True)
         self._next_staging = 1 - buffer_index
-        return self._staging[buffer_index]
+        return buffer_index
