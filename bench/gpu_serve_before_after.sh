@@ -5,7 +5,8 @@
 # with .whl/). For each model, a served run first fills Triton's kernel cache with every variant
 # a served batch needs (an offline warm-up does not: on 2026-11-26 the side measured first paid
 # 0.3-0.4 s more engine-core CPU and ~0.4 s more TTFT), then `pagedq bench serve` (its own Redis,
-# api and worker; streaming clients; offline beside it) runs before, then after. With the time
+# api and worker; streaming clients; offline beside it) runs before, then after, then after with
+# one api process (after's default is one per four cores: four on a 16-core host). With the time
 # left before DEADLINE_S (the call's limit less a margin), the GPU tests of the engine run, then
 # a second pair in the other order. $OUT gets three files (a device call brings back eight at
 # most): every run's full log in all.log, the runs' JSON one per line in serve.jsonl, tests.log.
@@ -29,11 +30,11 @@ run() {  # TREE SECONDS ARGS...: the CLI of that tree, for at most SECONDS
     local tree=$1 limit=$2; shift 2
     (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$limit" python3 -m pagedq.cli "$@")
 }
-serve() {  # MODEL_NAME LENS SIDE ROUND: one streamed bench serve with offline beside it
+serve() {  # MODEL_NAME LENS SIDE ROUND [ARGS...]: one streamed bench serve with offline beside it
     local tree=$after; [ $3 = before ] && tree=$before
-    echo "=== $1 serve --stream, $3 (round $4) $(date +%T), ${SECONDS}s"
+    echo "=== $1 serve --stream, $3 (round $4) ${*:5} $(date +%T), ${SECONDS}s"
     run "$tree" 200 bench serve --model /tmp/models/$1 --device $DEVICE --dtype $DTYPE \
-        --num-prompts $NUM_PROMPTS --input-len $2 --output-len $2 --stream \
+        --num-prompts $NUM_PROMPTS --input-len $2 --output-len $2 --stream "${@:5}" \
         --json /tmp/serve.json > /tmp/serve.log 2>&1
     cat /tmp/serve.log >> "$OUT/all.log"
     [ -s /tmp/serve.json ] && python3 -c 'import json, sys
@@ -52,6 +53,8 @@ for spec in "${specs[@]}"; do
     grep '^pagedq serve' /tmp/warmup.log || tail -20 /tmp/warmup.log
     serve $1 $2 before 1
     serve $1 $2 after 1
+    # The api's processes apart from the rest of the change (after's default: one per four cores).
+    [ $(left) -gt 200 ] && serve $1 $2 after-1-api 1 --api-workers 1
 done
 if [ "$DEVICE" = cuda ] && [ $(left) -gt 90 ]; then
     echo "=== GPU tests $(date +%T), ${SECONDS}s"

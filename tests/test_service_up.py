@@ -1,7 +1,8 @@
 """`pagedq up`'s lifecycle with real processes and signals (on the tiny model): Ctrl-C drains
 the workers before Redis stops; its children fail in one line, never a traceback; a port or
 Redis data directory already in use is reported before anything claims to be up; a fixed
-metrics port gives each worker its own."""
+metrics port gives each worker its own; the api runs as many processes as asked, by default
+one per four cores."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from pagedq.redis_server import RedisServer, free_port
+from pagedq.settings import Settings
 from tests.service_helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -86,11 +88,12 @@ def model(tiny_model_dir) -> str:
 
 def test_ctrl_c_drains_the_workers_before_redis_stops(model, tmp_path):
     port, metrics_port = free_port(), free_port_pair()
-    up = Up(tmp_path, "--model", model, "--port", str(port), "--workers", "2",
+    up = Up(tmp_path, "--model", model, "--port", str(port), "--workers", "2", "--api-workers", "2",
             PAGEDQ_METRICS_PORT=str(metrics_port), PAGEDQ_DRAIN_TIMEOUT_S="0")
     try:
         up.wait_up()
         assert "/ready" not in up.output  # `pagedq up` waits without polling the api (no log lines of its own)
+        wait_until(lambda: up.output.count("Application startup complete") == 2, 60, "both api processes to start")
         # A fixed metrics port: each worker its own, the first at the given port.
         assert up.field("worker metrics") == f"http://127.0.0.1:{metrics_port}/metrics,"
         workers = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"]
@@ -121,6 +124,17 @@ def test_ctrl_c_drains_the_workers_before_redis_stops(model, tmp_path):
         assert StartedJobRegistry("pagedq", connection=redis).count == 0
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("cores, api_workers", [(1, 1), (2, 1), (7, 1), (8, 2), (12, 3), (16, 4), (128, 4)])
+def test_api_processes_default_to_one_per_four_cores(monkeypatch, cores, api_workers):
+    """A small machine's cores are the worker's, its engine core's and Redis's too: one api
+    process; a GPU host's 16 cores take bursts of submissions on four event loops."""
+    monkeypatch.delenv("PAGEDQ_API_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert Settings().api_workers == api_workers
+    monkeypatch.setenv("PAGEDQ_API_WORKERS", "3")
+    assert Settings().api_workers == 3
 
 
 def test_a_bad_model_is_one_line_and_starts_nothing(tmp_path):

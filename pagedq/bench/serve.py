@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "long-poll GET /result?wait= for the whole text (no TTFT, TPOT or ITL then)")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run pagedq's offline engine on the same workload and print the ratio (default on)")
+    parser.add_argument("--api-workers", type=positive_int,
+                        help="api processes of its own service (default: `pagedq up`'s, one per four cores, at most four)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers and their context here")
 
 
@@ -168,6 +170,11 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_seconds(pids: list[int]) -> float | None:
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    return None if None in seconds else sum(seconds)
+
+
 def _child_pids(pid: int) -> list[int]:
     """A process's children (Linux /proc; none elsewhere)."""
     pids = []
@@ -180,22 +187,24 @@ def _child_pids(pid: int) -> list[int]:
 
 
 def measure_service(
-    base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace, processes: dict[str, int] | None = None
+    base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace,
+    processes: dict[str, list[int]] | None = None,
 ) -> dict:
     """Warm the service up (not timed), then run the workload; latency.summarize()'s dict,
-    with `cpu_s`: the CPU seconds each of `processes` (name: pid) and this client spent on
-    the timed run (CPU time, unlike wall time, does not depend on what else the machine runs)."""
+    with `cpu_s`: the CPU seconds each of `processes` (name: its pids, summed) and this
+    client spent on the timed run (CPU time, unlike wall time, does not depend on what else
+    the machine runs)."""
     stream = getattr(args, "stream", True)
     warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None, stream))
     failed = [t.error for t in warmup if not t.ok]
     if failed:
         raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
     processes = processes or {}
-    cpu_before = {name: process_cpu_seconds(pid) for name, pid in processes.items()}
+    cpu_before = {name: _cpu_seconds(pids) for name, pids in processes.items()}
     client_before = time.process_time()
     timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate, stream))
     summary = summarize(timings, duration)
-    summary["cpu_s"] = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in processes.items() if cpu_before[name] is not None}
+    summary["cpu_s"] = {name: _cpu_seconds(pids) - cpu_before[name] for name, pids in processes.items() if cpu_before[name] is not None}
     summary["cpu_s"]["client"] = time.process_time() - client_before
     summary["errors"] = sorted({t.error for t in timings if t.error})
     return summary
@@ -212,7 +221,7 @@ def _own_service_settings(args: argparse.Namespace, workload: Workload, cache_di
     return Settings(
         model=args.model, device=args.device, dtype=args.dtype, port=free_port(), cache_dir=cache_dir,
         redis_url=None, api_keys=[], max_queue_depth=max(workload.num_requests, WARMUP_REQUESTS),
-    )
+    ).with_overrides(api_workers=args.api_workers)
 
 
 def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
@@ -230,16 +239,21 @@ def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
             except StartupFailed as exc:
                 raise CommandError(f"{exc}; its log:\n{log_path.read_text()[-4000:]}") from None
             worker = service.children[1].pid
-            processes = {"worker": worker, "api": service.children[0].pid}
-            # The worker's engine core, when it runs in a process of its own (the default).
-            processes.update({"engine core": pid for pid in _child_pids(worker)})
+            # The worker's engine core, when it runs in a process of its own (the default),
+            # and the api's processes beyond the first (uvicorn's workers, with --api-workers).
+            api = service.children[0].pid
+            processes = {"worker": [worker], "api": [api, *_child_pids(api)]}
+            if cores := _child_pids(worker):
+                processes["engine core"] = cores
             if service.redis_server is not None and service.redis_server.process is not None:
-                processes["redis"] = service.redis_server.process.pid
+                processes["redis"] = [service.redis_server.process.pid]
             try:
                 summary = measure_service(service.settings.base_url, None, workload, args, processes)
             finally:
                 service.stop()
-    return summary, "its own service on this machine: Redis, `pagedq api`, one `pagedq worker`"
+    api_workers = service.settings.api_workers
+    return summary, (f"its own service on this machine: Redis, `pagedq api` ({api_workers} process"
+                     f"{'es' if api_workers > 1 else ''}), one `pagedq worker`")
 
 
 def _ms(summary: dict, metric: str, stat: str) -> str:

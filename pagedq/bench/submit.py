@@ -101,9 +101,7 @@ def _start_api(args: argparse.Namespace, tmp: Path):
     port = free_port()
     env = {**os.environ, "PAGEDQ_REDIS_URL": redis_server.url, "PAGEDQ_MODEL": args.model, "PAGEDQ_PORT": str(port),
            "PAGEDQ_HOST": "127.0.0.1", "PAGEDQ_API_KEYS": "", "PAGEDQ_MAX_QUEUE_DEPTH": str(10 * args.concurrency * args.rounds)}
-    command = [sys.executable, "-m", "pagedq.cli", "api"]
-    if args.api_workers > 1:
-        command += ["--workers", str(args.api_workers)]
+    command = [sys.executable, "-m", "pagedq.cli", "api", "--workers", str(args.api_workers)]
     log = open(tmp / "api.log", "w")
     api = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

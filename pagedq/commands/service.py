@@ -34,6 +34,8 @@ def register_start(subparsers) -> None:
         "workers (they requeue what they cannot finish), then the api, then Redis.")
     _server_flags(up, "up")
     up.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine (default 1)")
+    up.add_argument("--api-workers", type=int, help="api processes sharing the port (PAGEDQ_API_WORKERS; default: one "
+                    "per four cores, at most four)")
     up.set_defaults(handler=cmd_up)
 
     submit = subparsers.add_parser(
@@ -74,8 +76,9 @@ def register(subparsers) -> None:
         description="Serve the HTTP api (native, OpenAI-compatible and Batch API routes) on --host:--port. Any "
         "number of api processes may serve one Redis; each needs the model's tokenizer and config.")
     _server_flags(api, "api")
-    api.add_argument("--workers", type=int, default=1,
-                     help="api processes sharing the port (uvicorn workers; default 1): more cores for submits and streams")
+    api.add_argument("--workers", type=int, dest="api_workers",
+                     help="api processes sharing the port (uvicorn workers; PAGEDQ_API_WORKERS, default: one per four "
+                     "cores, at most four): more cores for submits and streams")
     api.set_defaults(handler=cmd_api)
 
     worker = subparsers.add_parser(
@@ -167,13 +170,11 @@ def cmd_api(args: argparse.Namespace) -> int:
     from api.app import create_app
 
     settings = _settings(args)
-    if args.workers < 1:
-        raise CommandError("--workers must be at least 1")
     try:
         app = create_app(settings)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
-    if args.workers == 1:
+    if settings.api_workers == 1:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
         return 0
     # Each worker process builds its own app from these settings (as PAGEDQ_* variables);
@@ -181,7 +182,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedq-api-metrics-") as metrics_dir:
         os.environ.update(settings.to_env())
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        uvicorn.run("api.app:app_from_environment", factory=True, workers=args.workers,
+        uvicorn.run("api.app:app_from_environment", factory=True, workers=settings.api_workers,
                     host=settings.host, port=settings.port, log_level="info")
     return 0
 
