@@ -226,10 +226,11 @@ class RoundTrips:
         sync = completed.replies.sync
         lost = {pending.checked[position - 1].request_id: pending.checked[position - 1]
                 for position in sync.lost_positions}
-        refused = set(completed.refused_job_ids)
-        for entry in self._inflight:
-            if entry.job.id in refused:
-                lost[entry.request_id] = entry
+        if completed.refused_job_ids:  # rare: no look at every in-flight job otherwise
+            refused = set(completed.refused_job_ids)
+            for entry in self._inflight:
+                if entry.job.id in refused:
+                    lost[entry.request_id] = entry
         full = pending.full
         if not full and sync.cancels != self._cancels_seen:
             running = self._inflight.running()
