@@ -441,7 +441,6 @@ CHOICES = ["red", "green", "blue"]
 def test_structured_outputs_and_response_format_shape_the_text(service, client, model):
     """vLLM maps response_format json_object / json_schema to structured_outputs' json_object
     / json, and takes structured_outputs (choice, regex, ...) in the body: the text follows."""
-    import json
     import re
 
     chosen = client.completions.create(model=model.name, prompt="Pick one", max_tokens=8, temperature=1.0, seed=3,

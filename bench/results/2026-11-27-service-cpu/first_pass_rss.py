@@ -1,4 +1,4 @@
-import resource, time, sys, torch, argparse
+import resource, time, torch, argparse
 from pagedq.bench.pagedq_peer import PagedqPeer
 from pagedq.bench.serve import resolve_model_and_workload
 from pagedq.bench.workload import LengthRange
