@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -111,11 +112,15 @@ class LocalService:
             connection.close()
 
     def _api_listens(self) -> bool:
-        # uvicorn binds its port once the app has started (lifespan done).
+        # One uvicorn process binds its port once the app has started (lifespan done). With
+        # several, their supervisor binds it before they start: an answer says one serves.
         try:
-            with socket.create_connection((self.settings.host, self.settings.port), timeout=1):
-                return True
-        except OSError:
+            if self.settings.api_workers == 1:
+                with socket.create_connection((self.settings.host, self.settings.port), timeout=1):
+                    return True
+            with urllib.request.urlopen(f"{self.settings.base_url}/health", timeout=1) as response:
+                return response.status == 200
+        except OSError:  # refused, timed out, or an HTTP error status (URLError, HTTPError)
             return False
 
     def check_children(self) -> None:
