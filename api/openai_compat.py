@@ -458,24 +458,31 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
 
     echoed: set[tuple[str, int]] = set()
     ended: set[str] = set()
+    ends: dict[str, dict] = {}
     completion_tokens: dict[str, int] = {}
     queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
 
     async def follow(job: _Job) -> None:
         try:
-            async for text in _job_chunks(request, job, chunk, translator, chat):
+            async for text in _job_chunks(request, job, chunk, translator, chat, ends):
                 await queue.put(text)
-            state, result, failure = await request.app.state.store.outcome(request.app.state.aredis, job.seq_id)
-            ended.add(job.seq_id)
-            if (invalid := invalid_input(failure)) is not None:
-                raise _StreamError(invalid, "invalid_request", 400)
-            if result is None:
-                raise _StreamError(f"job {job.seq_id} {state}: {failure or 'canceled'}", f"job_{state}")
+            end = ends.pop(job.seq_id, {})
+            if end.get("status") == "finished" and "outputs" in end:  # how each output ended: no read of the job
+                ended.add(job.seq_id)
+                outputs, completion_tokens[job.seq_id] = end["outputs"], end["completion_tokens"]
+            else:
+                state, result, failure = await request.app.state.store.outcome(request.app.state.aredis, job.seq_id)
+                ended.add(job.seq_id)
+                if (invalid := invalid_input(failure)) is not None:
+                    raise _StreamError(invalid, "invalid_request", 400)
+                if result is None:
+                    raise _StreamError(f"job {job.seq_id} {state}: {failure or 'canceled'}", f"job_{state}")
+                outputs = result.output_ends()
+                completion_tokens[job.seq_id] = result.usage.completion_tokens
             await queue.put("".join(
-                chunk(job, output.index, None, len(output.token_ids), None, output.finish_reason, output.stop_reason)
-                for output in result.outputs
+                chunk(job, index, None, num_tokens, None, finish_reason, stop_reason)
+                for index, num_tokens, finish_reason, stop_reason in outputs
             ))
-            completion_tokens[job.seq_id] = result.usage.completion_tokens
             await queue.put(None)
         except Exception as exc:  # ends the response, whatever it is
             await queue.put(exc)
@@ -516,12 +523,13 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
             _cancel_in_background(request, unfinished)
 
 
-async def _job_chunks(request: Request, job: _Job, chunk, translator: OpenAITranslator, chat: bool) -> AsyncIterator[str]:
-    """One job's deltas as chunks, until its `end` event. A job retried after its worker
-    died starts over: each output's new text is checked against what the client already
-    has and only the rest is sent (greedy and seeded requests repeat themselves); should
-    one differ, the stream ends with an error. Logprobs (when asked for) go out with the
-    chunk of their tokens, each token's once."""
+async def _job_chunks(request: Request, job: _Job, chunk, translator: OpenAITranslator, chat: bool,
+                      ends: dict[str, dict]) -> AsyncIterator[str]:
+    """One job's deltas as chunks, until its `end` event, whose data goes to `ends`. A job
+    retried after its worker died starts over: each output's new text is checked against
+    what the client already has and only the rest is sent (greedy and seeded requests
+    repeat themselves); should one differ, the stream ends with an error. Logprobs (when
+    asked for) go out with the chunk of their tokens, each token's once."""
     sent: dict[int, str] = {}
     # A retried attempt's text so far, per output still behind what was sent.
     retry: dict[int, str] = {}
@@ -569,6 +577,7 @@ async def _job_chunks(request: Request, job: _Job, chunk, translator: OpenAITran
                     sent[index] = already + text
                     out.append(chunk(job, index, text, num_tokens, logprobs))
             elif kind == "end":
+                ends[job.seq_id] = data
                 if out:
                     yield "".join(out)
                 return

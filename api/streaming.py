@@ -65,6 +65,12 @@ _HOT_S = 2.0
 # How often a stream tries again while Redis is in trouble.
 _OUTAGE_RETRY_S = 0.5
 
+def _native(kind: str, data: dict) -> dict:
+    """An event as GET /stream documents it: `end` without the outputs' summary that the
+    OpenAI streams end with (redis_schema.EVENT_END)."""
+    return {"status": data["status"], "finish_reason": data["finish_reason"]} if kind == "end" else data
+
+
 def _sse(event: str, data: dict, event_id: str | None = None) -> str:
     head = f"id: {event_id}\n" if event_id else ""
     return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
@@ -421,7 +427,7 @@ class StreamReader:
         try:
             async for events in self.relay(seq_id, last_event_id or "0-0"):
                 # One chunk per batch: fewer, larger writes when many tokens arrive together.
-                yield "".join(_sse(kind, data, event_id) for kind, data, event_id in events)
+                yield "".join(_sse(kind, _native(kind, data), event_id) for kind, data, event_id in events)
         except RedisError as exc:
             trouble = passing_redis_trouble(exc)
             why = f"Redis {trouble}" if trouble is not None else f"Redis refused this stream's read ({exc})"

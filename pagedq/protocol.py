@@ -250,6 +250,11 @@ class GenerationResult(BaseModel):
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )]
 
+    def output_ends(self) -> list[tuple[int, int, FinishReason | None, int | str | None]]:
+        """How each output ended: (index, tokens generated, finish_reason, stop_reason), as
+        a finished job's stream "end" event carries it (redis_schema.EVENT_END)."""
+        return [(o.index, len(o.token_ids), o.finish_reason, o.stop_reason) for o in self.outputs]
+
 
 class SubmitResponse(BaseModel):
     seq_id: str

@@ -184,7 +184,10 @@ def api_wake_key(token: str) -> str:
 # generated so far; with logprobs asked for, its new tokens as [[id, {id: logprob}], ...].
 EVENT_DELTA = "delta"
 EVENT_RESET = "reset"  # {"type": "reset", "attempt": "A"}: a retried attempt starts over: drop the text received so far
-EVENT_END = "end"  # {"type": "end", "status": JobState, "finish_reason": ...}
+# {"type": "end", "status": JobState, "finish_reason": ...}; a finished job's also says how
+# each output ended, what an OpenAI stream's last chunks need (no read of the job then):
+# "outputs": JSON [[index, num_tokens, finish_reason, stop_reason], ...], "completion_tokens": "N".
+EVENT_END = "end"
 
 # ---- fencing -----------------------------------------------------------------------
 # A worker writes for a job (stream events, progress, result, status) only while its
@@ -347,8 +350,13 @@ def publish_reset(pipeline: Pipeline, seq_id: str, attempt: int, stream_ttl_s: i
     _append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_RESET, "attempt": str(attempt)})
 
 
-def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "") -> None:
-    _append_event(pipeline, seq_id, stream_ttl_s, {"type": EVENT_END, "status": status, "finish_reason": finish_reason})
+def publish_end(pipeline: Pipeline, seq_id: str, status: JobState, stream_ttl_s: int, finish_reason: str = "",
+                outputs: list[tuple[int, int, str | None, int | str | None]] | None = None,
+                completion_tokens: int | None = None) -> None:
+    fields = {"type": EVENT_END, "status": status, "finish_reason": finish_reason}
+    if outputs is not None:
+        fields.update(outputs=json.dumps(outputs), completion_tokens=str(completion_tokens))
+    _append_event(pipeline, seq_id, stream_ttl_s, fields)
     pipeline.xadd(ENDED_KEY, {"seq_id": seq_id}, maxlen=ENDED_MAXLEN, approximate=True)
 
 
@@ -416,6 +424,8 @@ def read_events(batch: list[Entry]) -> list[Event]:
             events.append(("reset", {"attempt": int(fields.get("attempt", "0"))}, entry_id))
         elif kind == EVENT_END:
             end = {"status": fields.get("status"), "finish_reason": fields.get("finish_reason") or None}
+            if "outputs" in fields:
+                end.update(outputs=json.loads(fields["outputs"]), completion_tokens=int(fields["completion_tokens"]))
             events.append(("end", end, entry_id))
             break
     return events

@@ -165,6 +165,26 @@ def test_chat_uses_the_checkpoint_chat_template(service, client, model):
     assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 8
 
 
+def test_a_finished_stream_ends_from_its_end_event_without_reading_the_job(service, client, model, monkeypatch):
+    """A finished job's stream "end" says how each of its outputs ended (finish_reason,
+    stop_reason, tokens): a stream's last chunks and its usage come from that, with no read
+    of the job (its hash, payload and result: the api's largest cost per streamed request
+    after the submission itself). Failed and canceled jobs are still read, for their error."""
+    from api.jobs import JobStore
+
+    async def read_job(*args, **kwargs):
+        raise AssertionError("the job was read")
+
+    monkeypatch.setattr(JobStore, "outcome", read_job)
+    stream = list(client.completions.create(
+        model=model.name, prompt="Count", max_tokens=6, n=2, temperature=1.0, seed=5, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    ends = {chunk.choices[0].index: chunk.choices[0].finish_reason for chunk in stream
+            if chunk.choices and chunk.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"}
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 12
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param", "fragment"),
     [

@@ -40,7 +40,10 @@ def success(worker: BaseWorker, entry: InFlight, heartbeat_ttl_s: int, stream_tt
     execution.delete(job=job, pipeline=recorder)
     if not entry.payload.stream:
         recorder.delete(stream_key(job.id))
-    publish_end(recorder, job.id, "finished", stream_ttl_s, finish_reason=entry.result.finish_reason or "")
+    result = entry.result
+    publish_end(recorder, job.id, "finished", stream_ttl_s, finish_reason=result.finish_reason or "",
+                outputs=result.output_ends(),
+                completion_tokens=result.usage.completion_tokens)
     return FencedWrite(job.key, execution.composite_key, recorder)
 
 
