@@ -28,8 +28,8 @@ from api.errors import install_error_handlers
 from api.files import MULTIPART_OVERHEAD_BYTES, FileStore
 from api.jobs import JobStore
 from api.prompts import PromptChecker
+from api.shared_round_trip import SharedRoundTrip
 from api.streaming import StreamReader
-from api.submitter import Submitter
 from api.threads import blocking_limiter
 from api.worker_metrics import WorkerSeries
 from pagedq.live_workers import live_workers
@@ -38,8 +38,11 @@ from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.redis_connection import connect, connect_async
 from pagedq.settings import Settings
 from pagedq.structured_outputs_params import preload_grammar_engine
-# Longer than any blocking read the api makes (the stream hub's block_s).
-_REDIS_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0}
+# The read timeout: longer than any blocking read the api makes (the stream hub's block_s).
+# The connect timeout counts the event loop's lag too: a connection opened as a burst of two
+# thousand requests arrives completes only after the loop has worked through the burst's
+# handlers (seconds on two cores), and at 2 s such bursts got 503s from an idle Redis.
+_REDIS_TIMEOUTS = {"socket_connect_timeout": 10.0, "socket_timeout": 5.0}
 
 
 class RequestMetrics:
@@ -87,8 +90,8 @@ def create_app(settings: Settings) -> FastAPI:
         store = app.state.store = JobStore(
             redis, settings, on_enqueued=lambda queue, count: metrics.jobs_submitted.labels(queue).inc(count)
         )
-        app.state.submitter = Submitter(app.state.aredis)
-        app.state.streams = StreamReader(app.state.aredis)
+        app.state.round_trip = SharedRoundTrip(app.state.aredis)
+        app.state.streams = StreamReader(app.state.aredis, app.state.round_trip)
         app.state.blocking = blocking_limiter()
         app.state.files = FileStore(redis, settings)
         app.state.batches = BatchStore(redis, settings, store, app.state.files, app.state.openai)

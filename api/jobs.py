@@ -4,9 +4,10 @@ Two RQ queues: interactive requests, and batch lines (redis_schema.batch_queue_n
 workers take only when the interactive queue is empty.
 
 Blocking redis-py/RQ calls run in the api's threads (api.threads), except the enqueue of a
-submission (JobStore.prepare() builds it, api.submitter sends it from the event loop) and
-the read of a job with its latest result (JobStore.read(), on the loop's own connection):
-a finished job's result, what most reads are for, needs nothing else.
+submission (JobStore.prepare() builds it, JobStore.enqueue() sends it) and the read of a
+job with its latest result (JobStore.read()), which go from the event loop in the round
+trip every request shares (api.shared_round_trip): a finished job's result, what most
+reads are for, needs nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import uuid
 from dataclasses import dataclass
 
 from redis import Redis
-from redis.asyncio import Redis as AsyncRedis
 from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
@@ -28,6 +28,7 @@ from rq.scripts import _build_hset_args
 from rq.serializers import JSONSerializer
 
 from api.auth import ANYONE, Caller
+from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
 from pagedq.redis_schema import (
     ANNOUNCE_LUA,
@@ -202,7 +203,9 @@ class JobStore:
 
     @staticmethod
     def payload(request: GenerateRequest, prompt_token_ids: list[int]) -> JobPayload:
-        return JobPayload(
+        # Built from parts validated already (the request, its SamplingParams, the checked
+        # prompt ids), so not validated a second time here; the worker validates what it reads.
+        return JobPayload.model_construct(
             prompt=request.prompt,
             prompt_token_ids=prompt_token_ids,
             sampling=request.sampling_params(),
@@ -229,7 +232,7 @@ class JobStore:
         self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
     ) -> PreparedJob:
         """An interactive job for `owner` (a Caller's tenant), ready for one ENQUEUE_SCRIPT call
-        (api.submitter sends it)."""
+        (enqueue() sends it)."""
         body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
@@ -242,6 +245,18 @@ class JobStore:
             seq_id, self.queue.name, body_hash, keys=[job.key, self.queue.key, self.queue.redis_queues_keys],
             args=[job.id, self.settings.max_queue_depth, job.ttl if job.ttl is not None else -1, *_build_hset_args(job)],
         )
+
+    @staticmethod
+    async def enqueue(round_trip: SharedRoundTrip, prepared: PreparedJob) -> int:
+        """ENQUEUE_SCRIPT's reply for `prepared` (settle() says what it means), in the
+        shared round trip; a Redis error raises here, for this submission alone where
+        Redis refused only its call. Each submission runs its own script call, atomic on
+        its own (the idempotency check, the queue-depth limit, the push), in arrival order."""
+        # EVAL, not EVALSHA: a pipeline of EVALSHA asks Redis first whether it has the
+        # script (a second round trip), as it may have restarted.
+        (reply,) = await round_trip.call(
+            lambda pipeline: pipeline.eval(ENQUEUE_SCRIPT, len(prepared.keys), *prepared.keys, *prepared.args))
+        return int(reply)
 
     def settle(self, prepared: PreparedJob, outcome: int) -> JobState | None:
         """What ENQUEUE_SCRIPT's `outcome` means for the job: "queued", QueueFull raised, or
@@ -270,14 +285,12 @@ class JobStore:
             raise IdempotencyConflict("Idempotency-Key: already used with a different request body")
         return job_state(job.get_status(refresh=False)) or "queued"
 
-    async def read(self, connection: AsyncRedis, seq_id: str, caller: Caller = ANYONE) -> StoredJob | None:
-        """The job and its latest result in one round trip on `connection` (the event loop's:
-        no thread), restored by RQ's own parsers; None when there is no such job or it is
-        another tenant's."""
-        async with connection.pipeline(transaction=False) as pipeline:
-            pipeline.hgetall(Job.key_for(seq_id))
-            pipeline.xrevrange(Result.get_key(seq_id), count=1)
-            raw, latest = await pipeline.execute()
+    async def read(self, round_trip: SharedRoundTrip, seq_id: str, caller: Caller = ANYONE) -> StoredJob | None:
+        """The job and its latest result, read in the shared round trip (from the event
+        loop: no thread), restored by RQ's own parsers; None when there is no such job or
+        it is another tenant's."""
+        raw, latest = await round_trip.call(lambda pipeline: (
+            pipeline.hgetall(Job.key_for(seq_id)), pipeline.xrevrange(Result.get_key(seq_id), count=1)))
         if not raw:
             return None
         job = Job(seq_id, connection=self.connection, serializer=JSONSerializer)
@@ -383,10 +396,10 @@ class JobStore:
                     self._cancel(pipeline, job)  # a job that ended meanwhile stays as it ended
                 pipeline.execute()
 
-    async def outcome(self, connection: AsyncRedis, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
+    async def outcome(self, round_trip: SharedRoundTrip, seq_id: str) -> tuple[JobState | None, GenerationResult | None, str | None]:
         """A job's state, with its result when finished or its error when failed, read on the
         event loop (the api's own reading of a job it just made for the caller: no tenancy check)."""
-        stored = await self.read(connection, seq_id)
+        stored = await self.read(round_trip, seq_id)
         if stored is None:
             return None, None, None
         return self.outcome_of(stored)

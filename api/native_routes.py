@@ -61,7 +61,7 @@ async def generate(
     inline = body.messages is None and tokenized_inline([body.prompt_token_ids or body.prompt or ""])
     prepared = prepare() if inline else await blocking(request, prepare)
     try:
-        status = store.settle(prepared, await request.app.state.submitter.enqueue(prepared))
+        status = store.settle(prepared, await store.enqueue(request.app.state.round_trip, prepared))
         if status is None:
             status = await blocking(request, store.replay, prepared)
     except QueueFull as exc:
@@ -88,7 +88,7 @@ async def result(
     streams: StreamReader = request.app.state.streams
     if wait > 0 and (await streams.visible_state(seq_id, caller)) not in (None, *TERMINAL):
         await streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
-    stored = await store.read(request.app.state.aredis, seq_id, caller)
+    stored = await store.read(request.app.state.round_trip, seq_id, caller)
     if stored is None:
         raise ApiError(404, f"no job {seq_id!r}")
     # A finished job's answer is all in what was read; any other reads its stream, in a thread.

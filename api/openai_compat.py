@@ -31,7 +31,6 @@ from pagedq.redis_connection import passing_redis_trouble
 from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
 from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker, tokenized_inline
-from api.submitter import Submitter
 from api.threads import blocking
 from api.tool_calls import choice as tool_choice
 from api.tool_calls.deltas import OutputDeltas
@@ -305,8 +304,8 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
     inline = isinstance(body, CompletionRequest) and tokenized_inline(body.prompts)
     tools, prompts = plan() if inline else await blocking(request, plan)
     prepared = [store.prepare(generate, ids, None, caller.tenant) for generate, ids in prompts]
-    submitter: Submitter = request.app.state.submitter
-    outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in prepared), return_exceptions=True)
+    round_trip = request.app.state.round_trip
+    outcomes = await asyncio.gather(*(store.enqueue(round_trip, job) for job in prepared), return_exceptions=True)
     # One job per prompt; should one not be queued, the others are canceled.
     jobs: list[_Job] = []
     failure: BaseException | None = None
@@ -347,7 +346,7 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
                        code="timeout")
     results = []
     for job in jobs:
-        state, result, error = await store.outcome(request.app.state.aredis, job.seq_id)
+        state, result, error = await store.outcome(request.app.state.round_trip, job.seq_id)
         if state == "failed":
             if (invalid := invalid_input(error)) is not None:
                 raise ApiError(400, invalid, param=named_field(invalid), code="invalid_request")
@@ -471,7 +470,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
                 ended.add(job.seq_id)
                 outputs, completion_tokens[job.seq_id] = end["outputs"], end["completion_tokens"]
             else:
-                state, result, failure = await request.app.state.store.outcome(request.app.state.aredis, job.seq_id)
+                state, result, failure = await request.app.state.store.outcome(request.app.state.round_trip, job.seq_id)
                 ended.add(job.seq_id)
                 if (invalid := invalid_input(failure)) is not None:
                     raise _StreamError(invalid, "invalid_request", 400)

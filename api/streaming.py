@@ -37,6 +37,7 @@ from redis.exceptions import RedisError, ResponseError
 from rq.job import Job
 
 from api.auth import Caller
+from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import SSE_ERROR_EVENT, STREAM_RETRY_AFTER_S
 from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import (
@@ -383,19 +384,23 @@ class StreamHub:
 
 
 class StreamReader:
-    def __init__(self, connection: AsyncRedis, poll_s: float = 0.5, outage_grace_s: float = 30.0):
+    def __init__(self, connection: AsyncRedis, round_trip: SharedRoundTrip, poll_s: float = 0.5,
+                 outage_grace_s: float = 30.0):
+        """`connection`: the hub's (its blocking XREAD); `round_trip`: the job status reads'."""
         self.connection = connection
+        self.round_trip = round_trip
         # How long a stream waits out Redis trouble before it gives up (see relay()).
         self.outage_grace_s = outage_grace_s
         self.hub = StreamHub(connection, quiet_s=poll_s)
 
     async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
         """The job's state, None when there is no such job or it is another tenant's."""
-        status, meta = await self.connection.hmget(Job.key_for(seq_id), "status", "meta")
+        ((status, meta),) = await self.round_trip.call(lambda pipeline: pipeline.hmget(Job.key_for(seq_id), "status", "meta"))
         return job_state(status) if status is not None and caller.owns(owner_of(meta)) else None
 
     async def state(self, seq_id: str) -> JobState | None:
-        return job_state(await self.connection.hget(Job.key_for(seq_id), "status"))
+        (status,) = await self.round_trip.call(lambda pipeline: pipeline.hget(Job.key_for(seq_id), "status"))
+        return job_state(status)
 
     @staticmethod
     async def _next(batches: asyncio.Queue) -> tuple[list[Entry], Quiet | None]:

@@ -18,6 +18,9 @@ SEED_MAX = 2**63 - 1
 
 
 _TEXTUAL = (str, list, tuple, dict)
+# Types that never hold text: a list of only these (a prompt's token ids) is passed over
+# in one pass in C (set(map(type, ...))), not an isinstance call per item.
+_NEVER_TEXT = frozenset({int, float, bool, type(None)})
 
 
 def unencodable_text(value: Any) -> str | None:
@@ -33,6 +36,8 @@ def unencodable_text(value: Any) -> str | None:
     if isinstance(value, (list, tuple)):
         # Only what can hold text is looked into: a prompt's token ids are most of a body,
         # and every model holding them is validated a few times per request.
+        if _NEVER_TEXT.issuperset(map(type, value)):
+            return None
         return next((why for item in value if isinstance(item, _TEXTUAL) and (why := unencodable_text(item)) is not None), None)
     if isinstance(value, dict):
         return next((why for item in value.items() if (why := unencodable_text(list(item))) is not None), None)

@@ -15,6 +15,7 @@ from rq.serializers import JSONSerializer
 
 from api.auth import ANYONE, Caller
 from api.jobs import ENQUEUE_SCRIPT, JobStore
+from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import GenerateRequest, GenerationResult, Timings, Usage
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import service_settings
@@ -52,11 +53,12 @@ def test_a_job_read_on_the_loop_says_what_rqs_blocking_reads_say(redis_server, t
 
     async def read_all() -> list:
         connection = AsyncRedis.from_url(redis_server.url)
+        round_trip = SharedRoundTrip(connection)
         try:
-            return [await store.read(connection, job.id, Caller("alice")) for job in (finished, failed, queued)] + [
-                await store.read(connection, finished.id, Caller("mallory")),
-                await store.read(connection, "no-such-job", ANYONE),
-                await store.outcome(connection, failed.id),
+            return [await store.read(round_trip, job.id, Caller("alice")) for job in (finished, failed, queued)] + [
+                await store.read(round_trip, finished.id, Caller("mallory")),
+                await store.read(round_trip, "no-such-job", ANYONE),
+                await store.outcome(round_trip, failed.id),
             ]
         finally:
             await connection.aclose()

@@ -29,7 +29,7 @@ def redis(tmp_path_factory):
 
 
 def submit(store: JobStore, count: int) -> list[str]:
-    """Queue `count` jobs as the api does (its submitter sends ENQUEUE_SCRIPT; here, one call each)."""
+    """Queue `count` jobs as the api does (JobStore.enqueue sends ENQUEUE_SCRIPT in the shared round trip; here, one call each)."""
     request = GenerateRequest(prompt="hi", max_tokens=4)
     seq_ids = []
     for _ in range(count):

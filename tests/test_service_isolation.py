@@ -28,6 +28,7 @@ from rq import Queue, Retry
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from api.shared_round_trip import SharedRoundTrip
 from api.streaming import StreamHub, StreamReader
 from pagedq.redis_schema import (
     JOB_FUNCTION,
@@ -361,7 +362,7 @@ def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_s
 
     async def run(poll_s: float, seq_ids: list[str], ends: list[tuple[str, bool]]) -> dict[str, float]:
         connection = AsyncRedis.from_url(redis_server.url)
-        reader = StreamReader(connection, poll_s=poll_s)
+        reader = StreamReader(connection, SharedRoundTrip(connection), poll_s=poll_s)
         woken: dict[str, float] = {}
 
         async def wait(seq_id: str) -> None:

@@ -1,5 +1,6 @@
-"""api.submitter: submissions made at once share a Redis round trip, each keeps its own
-script call (its own answer, its place in the queue), and one Redis refuses fails alone."""
+"""api.shared_round_trip: calls made at once (submissions, job reads) share a Redis round
+trip, each keeps its own commands' replies (a submission its own script call: its answer,
+its place in the queue), and one Redis refuses fails alone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from redis.exceptions import ResponseError
 from rq import Queue
 
 from api.jobs import JobStore, QueueFull
-from api.submitter import Submitter
+from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import GenerateRequest
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import service_settings
@@ -42,8 +43,8 @@ async def _enqueue_counting_round_trips(redis_server, jobs) -> tuple[list, int]:
     pipeline = connection.pipeline
     connection.pipeline = lambda *args, **kwargs: pipelines.append(1) or pipeline(*args, **kwargs)
     try:
-        submitter = Submitter(connection)
-        outcomes = await asyncio.gather(*(submitter.enqueue(job) for job in jobs), return_exceptions=True)
+        round_trip = SharedRoundTrip(connection)
+        outcomes = await asyncio.gather(*(JobStore.enqueue(round_trip, job) for job in jobs), return_exceptions=True)
     finally:
         await connection.aclose()
     return outcomes, len(pipelines)
@@ -60,6 +61,41 @@ def test_a_burst_shares_round_trips_and_each_keeps_its_answer_and_place(redis_se
     assert [store.settle(job, 1) for job in jobs[:5]] == ["queued"] * 5
     with pytest.raises(QueueFull):
         store.settle(jobs[5], outcomes[5])
+
+
+def test_reads_made_at_once_share_the_round_trip_and_each_gets_its_own_replies(redis_server, tmp_path):
+    """Stream openings (one command) and GET /result reads (two) of a burst, with a
+    submission among them: one pipeline, on one connection, each caller its own replies."""
+    store = _store(redis_server, tmp_path, "reads")
+    (job,) = _prepared(store, 1)
+    sync = Redis.from_url(redis_server.url)
+    sync.hset("reads:a", mapping={"status": "started", "meta": "{}"})
+    sync.hset("reads:b", mapping={"status": "finished"})
+
+    async def run() -> tuple[list, int]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        pipelines = []
+        pipeline = connection.pipeline
+        connection.pipeline = lambda *args, **kwargs: pipelines.append(1) or pipeline(*args, **kwargs)
+        try:
+            round_trip = SharedRoundTrip(connection)
+            await round_trip.call(lambda p: p.ping())  # the first call goes alone: the burst shares the next
+            pipelines.clear()
+            calls = [
+                round_trip.call(lambda p: p.hmget("reads:a", "status", "meta")),
+                round_trip.call(lambda p: (p.hgetall("reads:b"), p.exists("reads:none"))),
+                JobStore.enqueue(round_trip, job),
+                round_trip.call(lambda p: p.hget("reads:none", "status")),
+            ]
+            replies = await asyncio.gather(*calls)
+            return replies, len(pipelines)
+        finally:
+            await connection.aclose()
+
+    replies, round_trips = asyncio.run(run())
+    assert replies == [[[b"started", b"{}"]], [{b"status": b"finished"}, 0], 1, [None]]
+    assert round_trips == 1
+    assert Queue("reads", connection=store.connection).job_ids == [job.seq_id]
 
 
 def test_a_call_redis_refuses_fails_that_submission_alone(redis_server, tmp_path):
@@ -81,8 +117,8 @@ def test_a_waiter_that_goes_away_leaves_the_others_their_answers(redis_server, t
     async def run() -> list:
         connection = AsyncRedis.from_url(redis_server.url)
         try:
-            submitter = Submitter(connection)
-            tasks = [asyncio.create_task(submitter.enqueue(job)) for job in jobs]
+            round_trip = SharedRoundTrip(connection)
+            tasks = [asyncio.create_task(JobStore.enqueue(round_trip, job)) for job in jobs]
             await asyncio.sleep(0)
             tasks[1].cancel()  # its client disconnected while the round trip was out
             return await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,8 +151,8 @@ def test_a_round_trip_torn_down_under_it_answers_as_redis_being_away(redis_serve
 
         connection.pipeline = torn_down
         try:
-            submitter = Submitter(connection)
-            return await asyncio.gather(*(submitter.enqueue(job) for job in jobs), return_exceptions=True)
+            round_trip = SharedRoundTrip(connection)
+            return await asyncio.gather(*(JobStore.enqueue(round_trip, job) for job in jobs), return_exceptions=True)
         finally:
             await connection.aclose()
 
