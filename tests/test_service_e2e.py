@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timezone
 
 import httpx
 import pytest
@@ -107,6 +108,30 @@ def test_fifty_concurrent_requests_match_the_offline_engine(service, client, mod
         assert recorded.seq_id == seq_id and recorded.token_ids == result["token_ids"]
         assert len(job.results()) == 1
     assert FinishedJobRegistry(QUEUE, connection=redis).count == finished_before + 50
+
+
+def test_a_burst_taken_at_once_reaches_the_engine_a_chunk_at_a_time(service, client):
+    """A round trip that takes a burst while the engine is busy starts it (RQ's bookkeeping)
+    in chunks, and the engine thread hands each chunk to the engine between its steps: the
+    engine has the first jobs of the burst before the I/O thread has marked the last ones
+    started. Before, every job waited for the whole burst's start."""
+    api, redis, _ = service
+    busy = client.submit(prompt="Once upon a time", max_tokens=700, ignore_eos=True, temperature=0)["seq_id"]
+    wait_until(lambda: client.result(busy)["status"] == "running", 30, "the first job to run")
+    suspend_workers(redis, api.url)  # the engine steps on; the burst waits in the queue
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            seq_ids = list(pool.map(lambda i: client.submit(prompt_token_ids=[3 + i, 7, 11], max_tokens=8,
+                                                            temperature=0)["seq_id"], range(100)))
+        assert client.result(busy)["status"] == "running"  # else the burst would meet an idle engine
+    finally:
+        resume(redis)  # the worker's next round trip takes the burst at once
+    results = [client.wait(seq_id) for seq_id in seq_ids]
+    assert [r["status"] for r in results] == ["finished"] * 100
+    handed = [r["timings"]["started"] for r in results]  # when the engine got the job
+    marked = [fetch(redis, seq_id).started_at.replace(tzinfo=timezone.utc).timestamp() for seq_id in seq_ids]
+    assert min(handed) < max(marked), (min(handed), max(marked))
+    assert client.wait(busy)["status"] == "finished"
 
 
 def test_parallel_samples_run_as_one_job_and_stream_by_index(service, client, model):

@@ -242,7 +242,12 @@ class BatchWorker(BaseWorker):
         if self.engine.has_unfinished_requests():
             self._step()
             if not self._pending.future.done():
-                return  # Redis is behind the engine: step on; the next round trip carries this step's output
+                # Redis is behind the engine: step on; the next round trip carries this
+                # step's output. The jobs it took that are started already go to the engine now.
+                if not self._draining:
+                    for item in self.round_trips.take_started():
+                        self._hand_to_engine(item)
+                return
         started = self._take_pending()
         if not started and not self.engine.has_unfinished_requests() and not self.inflight.finishing():
             self._wait_for_work()
