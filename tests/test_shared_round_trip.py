@@ -37,17 +37,24 @@ def _prepared(store: JobStore, count: int):
     return [store.prepare(request, [1, 2, 3], None, "tenant") for _ in range(count)]
 
 
-async def _enqueue_counting_round_trips(redis_server, jobs) -> tuple[list, int]:
+async def _with_pipelines_counted(redis_server, use):
+    """`await use(round_trip, pipelines)`: a SharedRoundTrip whose every pipeline is counted in `pipelines`."""
     connection = AsyncRedis.from_url(redis_server.url)
     pipelines = []
     pipeline = connection.pipeline
     connection.pipeline = lambda *args, **kwargs: pipelines.append(1) or pipeline(*args, **kwargs)
     try:
-        round_trip = SharedRoundTrip(connection)
-        outcomes = await asyncio.gather(*(JobStore.enqueue(round_trip, job) for job in jobs), return_exceptions=True)
+        return await use(SharedRoundTrip(connection), pipelines)
     finally:
         await connection.aclose()
-    return outcomes, len(pipelines)
+
+
+async def _enqueue_counting_round_trips(redis_server, jobs) -> tuple[list, int]:
+    async def enqueue(round_trip: SharedRoundTrip, pipelines: list) -> tuple[list, int]:
+        outcomes = await asyncio.gather(*(JobStore.enqueue(round_trip, job) for job in jobs), return_exceptions=True)
+        return outcomes, len(pipelines)
+
+    return await _with_pipelines_counted(redis_server, enqueue)
 
 
 def test_a_burst_shares_round_trips_and_each_keeps_its_answer_and_place(redis_server, tmp_path):
@@ -72,27 +79,18 @@ def test_reads_made_at_once_share_the_round_trip_and_each_gets_its_own_replies(r
     sync.hset("reads:a", mapping={"status": "started", "meta": "{}"})
     sync.hset("reads:b", mapping={"status": "finished"})
 
-    async def run() -> tuple[list, int]:
-        connection = AsyncRedis.from_url(redis_server.url)
-        pipelines = []
-        pipeline = connection.pipeline
-        connection.pipeline = lambda *args, **kwargs: pipelines.append(1) or pipeline(*args, **kwargs)
-        try:
-            round_trip = SharedRoundTrip(connection)
-            await round_trip.call(lambda p: p.ping())  # the first call goes alone: the burst shares the next
-            pipelines.clear()
-            calls = [
-                round_trip.call(lambda p: p.hmget("reads:a", "status", "meta")),
-                round_trip.call(lambda p: (p.hgetall("reads:b"), p.exists("reads:none"))),
-                JobStore.enqueue(round_trip, job),
-                round_trip.call(lambda p: p.hget("reads:none", "status")),
-            ]
-            replies = await asyncio.gather(*calls)
-            return replies, len(pipelines)
-        finally:
-            await connection.aclose()
+    async def read(round_trip: SharedRoundTrip, pipelines: list) -> tuple[list, int]:
+        await round_trip.call(lambda p: p.ping())  # the first call goes alone: the burst shares the next
+        pipelines.clear()
+        replies = await asyncio.gather(
+            round_trip.call(lambda p: p.hmget("reads:a", "status", "meta")),
+            round_trip.call(lambda p: (p.hgetall("reads:b"), p.exists("reads:none"))),
+            JobStore.enqueue(round_trip, job),
+            round_trip.call(lambda p: p.hget("reads:none", "status")),
+        )
+        return replies, len(pipelines)
 
-    replies, round_trips = asyncio.run(run())
+    replies, round_trips = asyncio.run(_with_pipelines_counted(redis_server, read))
     assert replies == [[[b"started", b"{}"]], [{b"status": b"finished"}, 0], 1, [None]]
     assert round_trips == 1
     assert Queue("reads", connection=store.connection).job_ids == [job.seq_id]
