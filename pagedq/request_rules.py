@@ -19,7 +19,7 @@ SEED_MAX = 2**63 - 1
 
 _TEXTUAL = (str, list, tuple, dict)
 # Types that never hold text: a list of only these (a prompt's token ids) is passed over
-# in one pass in C (set(map(type, ...))), not an isinstance call per item.
+# in one pass in C (issuperset over map(type, ...)), not an isinstance call per item.
 _NEVER_TEXT = frozenset({int, float, bool, type(None)})
 
 
