@@ -57,7 +57,6 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 _DRIVER_INFO = DriverInfo(lib_version=redis_py_version)
 
 
-
 class _CPacked:
     """Packs commands in C (hiredis), as redis-py's blocking client does where hiredis is
     installed; its asyncio client packs them in Python, rejoining the growing buffer at
