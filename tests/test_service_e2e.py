@@ -110,28 +110,53 @@ def test_fifty_concurrent_requests_match_the_offline_engine(service, client, mod
     assert FinishedJobRegistry(QUEUE, connection=redis).count == finished_before + 50
 
 
-def test_a_burst_taken_at_once_reaches_the_engine_a_chunk_at_a_time(service, client):
-    """A round trip that takes a burst while the engine is busy starts it (RQ's bookkeeping)
-    in chunks, and the engine thread hands each chunk to the engine between its steps: the
-    engine has the first jobs of the burst before the I/O thread has marked the last ones
-    started. Before, every job waited for the whole burst's start."""
-    api, redis, _ = service
-    busy = client.submit(prompt="Once upon a time", max_tokens=700, ignore_eos=True, temperature=0)["seq_id"]
-    wait_until(lambda: client.result(busy)["status"] == "running", 30, "the first job to run")
-    suspend_workers(redis, api.url)  # the engine steps on; the burst waits in the queue
-    try:
-        with ThreadPoolExecutor(16) as pool:
-            seq_ids = list(pool.map(lambda i: client.submit(prompt_token_ids=[3 + i, 7, 11], max_tokens=8,
-                                                            temperature=0)["seq_id"], range(100)))
-        assert client.result(busy)["status"] == "running"  # else the burst would meet an idle engine
-    finally:
-        resume(redis)  # the worker's next round trip takes the burst at once
+def _submit_burst(client: Client, count: int) -> list[str]:
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda i: client.submit(prompt_token_ids=[3 + i, 7, 11], max_tokens=8,
+                                                     temperature=0)["seq_id"], range(count)))
+
+
+def _assert_first_handed_before_last_started(client: Client, redis: Redis, seq_ids: list[str]) -> None:
+    """The engine had the first jobs of a burst before the I/O thread had marked the last
+    ones started (RQ's bookkeeping, a chunk at a time)."""
     results = [client.wait(seq_id) for seq_id in seq_ids]
-    assert [r["status"] for r in results] == ["finished"] * 100
+    assert [r["status"] for r in results] == ["finished"] * len(seq_ids)
     handed = [r["timings"]["started"] for r in results]  # when the engine got the job
     marked = [fetch(redis, seq_id).started_at.replace(tzinfo=timezone.utc).timestamp() for seq_id in seq_ids]
     assert min(handed) < max(marked), (min(handed), max(marked))
+
+
+def test_a_burst_taken_at_once_reaches_the_engine_a_chunk_at_a_time(service, client):
+    """A round trip that takes a burst while the engine is busy starts it (RQ's bookkeeping)
+    in chunks, and the engine thread hands each chunk to the engine between its steps.
+    Before, every job waited for the whole burst's start."""
+    api, redis, _ = service
+    # 64 samples of 1,000 tokens: seconds of steps (one sample took 0.4 s on a fast day,
+    # less than the suspension and the burst's submission).
+    busy = client.submit(prompt_token_ids=[5, 6, 7], n=64, max_tokens=1000, ignore_eos=True, temperature=1.0,
+                         seed=1)["seq_id"]
+    wait_until(lambda: client.result(busy)["status"] == "running", 30, "the first job to run")
+    suspend_workers(redis, api.url)  # the engine steps on; the burst waits in the queue
+    try:
+        seq_ids = _submit_burst(client, 100)
+        assert client.result(busy)["status"] == "running"  # else the burst would meet an idle engine
+    finally:
+        resume(redis)  # the worker's next round trip takes the burst at once
+    _assert_first_handed_before_last_started(client, redis, seq_ids)
     assert client.wait(busy)["status"] == "finished"
+
+
+def test_a_burst_taken_by_an_idle_engine_starts_with_its_first_chunk(service, client):
+    """An idle engine waits for the round trip that takes a burst only until its first chunk
+    is started; the rest follow between its steps. Before, it waited for the whole start."""
+    api, redis, _ = service
+    suspend_workers(redis, api.url)  # the engine idles; the burst waits in the queue
+    try:
+        seq_ids = _submit_burst(client, 100)
+        assert engine_stats(api.url)["num_running"] == 0
+    finally:
+        resume(redis)  # the worker's next round trip takes the burst at once
+    _assert_first_handed_before_last_started(client, redis, seq_ids)
 
 
 def test_parallel_samples_run_as_one_job_and_stream_by_index(service, client, model):

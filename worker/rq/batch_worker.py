@@ -27,7 +27,8 @@ replaces the work loop. One tick:
    stall) are aborted in the engine, which frees their KV blocks; a job named by RQ's
    stop-job command fails as STOPPED; finished jobs are forgotten; the started ones go to
    the engine (or, idle, block on the queue for a second). The engine waits for a round
-   trip only when it has nothing to compute.
+   trip only when it has nothing to compute, and then only until its first chunk of new
+   jobs is started.
 
 What the worker keeps per job is in worker/rq/inflight.py; how each job's ending is
 written (RQ's success, failure and requeue writes) in worker/rq/outcomes.py.
@@ -245,9 +246,12 @@ class BatchWorker(BaseWorker):
                 # Redis is behind the engine: step on; the next round trip carries this
                 # step's output. The jobs it took that are started already go to the engine now.
                 if not self._draining:
-                    for item in self.round_trips.take_started():
-                        self._hand_to_engine(item)
+                    self._hand_all(self.round_trips.take_started())
                 return
+        elif not self._draining and self._hand_all(self.round_trips.first_started()):
+            # Idle, and the round trip took jobs: the engine starts on the first chunk while the
+            # I/O thread starts the rest, which go to the engine between its steps (above).
+            return
         started = self._take_pending()
         if not started and not self.engine.has_unfinished_requests() and not self.inflight.finishing():
             self._wait_for_work()
@@ -306,8 +310,7 @@ class BatchWorker(BaseWorker):
             self._drop(lost)
         if self._stop_requests:
             self._stop_jobs()
-        for item in completed.started:
-            self._hand_to_engine(item)
+        self._hand_all(completed.started)
         if completed.start_error is not None:
             raise completed.start_error
         if replies.refusals:
@@ -327,12 +330,17 @@ class BatchWorker(BaseWorker):
             return
         first = self.connection.blmove(self.queue.key, self.queue.intermediate_queue_key, _IDLE_WAIT_S)
         if first is not None:
-            for item in self._start_jobs([as_text(first)]):
-                self._hand_to_engine(item)
+            self._hand_all(self._start_jobs([as_text(first)]))
 
     def _start_jobs(self, ids: list[str]) -> list[Started]:
         return start_jobs(self.connection, ids, self.queues, self.serializer, self.name, self.settings.heartbeat_ttl_s,
                           self.settings.stream_ttl_s, lambda pipeline: self.set_state(WorkerStatus.BUSY, pipeline))
+
+    def _hand_all(self, items: list[Started]) -> bool:
+        """Hand started jobs to the engine; whether there were any."""
+        for item in items:
+            self._hand_to_engine(item)
+        return bool(items)
 
     def _hand_to_engine(self, item: Started) -> None:
         job, execution = item.job, item.execution

@@ -6,7 +6,8 @@ results), the fenced success writes of the jobs the engine finished, the engine 
 then SYNC_SCRIPT, which says what the worker must learn from Redis. `RoundTrips.send()`
 queues it and runs it on an I/O thread while the engine steps; the thread then marks the
 jobs it took started (worker/rq/job_starts.py), a chunk at a time, and the engine thread
-hands each chunk to the engine between its steps (`take_started()`). Its replies are read into
+hands each chunk to the engine between its steps (`take_started()`), or, idle, as soon as the
+first is started (`first_started()`). Its replies are read into
 `RoundTripReplies`, each part its own reply or the refusal Redis gave in its place (the
 pipeline runs with raise_on_error off), so each part is retried or not on its own.
 
@@ -19,6 +20,7 @@ after a Redis outage.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -189,6 +191,8 @@ class RoundTrips:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="redis-io")
         # Chunks of jobs the I/O thread started, for the engine thread.
         self._started: SimpleQueue[list[Started]] = SimpleQueue()
+        # Set once the round trip out has started a chunk, or has ended (first_started()).
+        self._chunk_or_end = threading.Event()
         self._cancels_seen = b""
         self._next_full_check = 0.0
 
@@ -213,6 +217,7 @@ class RoundTrips:
                                              for entry in pending.finishing])
         self._queue_engine_stats(pipeline)
         self._call_sync(pipeline, take, [take, batch_take], pending.checked)
+        self._chunk_or_end.clear()
         pending.future = self._io.submit(self._run, pipeline, pending)
         return pending
 
@@ -230,6 +235,12 @@ class RoundTrips:
         elif pending.sending.queued:
             refused = self._publisher.published(pending.sending, replies.published)
         return Completed(replies, self.take_started(), start_error, refused)
+
+    def first_started(self) -> list[Started]:
+        """For an idle engine: wait until the round trip out has started its first chunk of
+        jobs, or has ended, and take what is started by then (none when it took no jobs)."""
+        self._chunk_or_end.wait()
+        return self.take_started()
 
     def take_started(self) -> list[Started]:
         """The jobs the I/O thread has started since the last call (without waiting)."""
@@ -277,6 +288,12 @@ class RoundTrips:
         off): a script Redis refused wrote nothing (Redis refuses a script at its first
         write, never half way), one it ran wrote everything, so each part is retried or
         not by its own reply. A Redis error in the start comes back beside the replies."""
+        try:
+            return self._run_and_start(pipeline, pending)
+        finally:
+            self._chunk_or_end.set()
+
+    def _run_and_start(self, pipeline: Pipeline, pending: PendingSync) -> tuple[RoundTripReplies, Exception | None]:
         with pipeline:
             replies = RoundTripReplies.read(pipeline.execute(raise_on_error=False), pending.sending.queued,
                                             bool(pending.finishing))
@@ -286,6 +303,7 @@ class RoundTrips:
         try:
             for at in range(0, len(taken), _START_CHUNK):
                 self._started.put(self._start_jobs(taken[at:at + _START_CHUNK]))
+                self._chunk_or_end.set()
         except redis.exceptions.RedisError as exc:
             if passing_redis_trouble(exc) is None:
                 raise
