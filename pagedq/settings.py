@@ -20,7 +20,8 @@ def default_api_workers() -> int:
     burst of submissions waits for it (on a 16-core H200 host, 256 POSTs at once were all
     answered only after ~290 ms of parsing, the engine idle meanwhile), while the worker,
     its engine core and Redis each want a core of their own; on a small machine more api
-    processes would only take turns with them."""
+    processes take turns with them (two on the 2-core CPU VM: `bench serve` +5%, `vllm bench
+    serve` -10 to -13% and 10-18% more CPU; bench/results/2026-11-28-service-cpu-vs-vllm.md)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
