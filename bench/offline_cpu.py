@@ -1,6 +1,7 @@
 """Offline throughput and CPU of pagedq's `LLM` or vLLM's on `vllm bench serve`'s shape:
-256 random-id prompts of 128 tokens, 128 output tokens each (ignore_eos, greedy), after a
-short warm-up. CPU is the whole process tree's (vLLM's engine core runs in a child process;
+256 random-id prompts of 128 tokens, 128 output tokens each (ignore_eos), sampled at
+temperature 1.0 (the servers' default: `vllm bench serve` no longer sends a temperature),
+after a short warm-up. CPU is the whole process tree's (vLLM's engine core runs in a child process;
 pagedq's here too, as the service runs it), so with bench/vllm_serve_compare.sh, which prints
 each service's CPU on the same shape, it gives each engine's service / offline CPU.
 
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("engine", choices=["pagedq", "vllm"])
     parser.add_argument("--model", default="/tmp/hostm")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
     with open(os.path.join(args.model, "config.json")) as config:
         vocab_size = __import__("json").load(config)["vocab_size"]
@@ -56,7 +58,7 @@ def main() -> None:
         torch.set_num_threads(1)
         llm = LLM(model=args.model, dtype="float32", device="cpu", seed=0, core_process=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=128, ignore_eos=True)
     for round_index in range(args.rounds):
         load = " ".join(open("/proc/loadavg").read().split()[:3])
         cpu, start = tree_cpu_seconds(os.getpid()), time.perf_counter()
