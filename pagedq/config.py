@@ -49,6 +49,14 @@ class EngineArgs:
     # front's own value it needs CAP_SYS_NICE (or RLIMIT_NICE); without, the core keeps
     # the front's priority and says so.
     core_nice: int | None = None
+    # Real-time scheduling (SCHED_FIFO at this priority, 1-99) for the core process and every
+    # thread and process it starts (torch's, zmq's, tensor-parallel ranks); None: normal
+    # scheduling. A nice value still lets the front, api, Redis and clients preempt a step
+    # (on 2 CPUs the core was preempted ~1 ms in each 5.7 ms step); at real-time priority
+    # they wait for it. Only where the core's threads leave CPUs for them: the kernel keeps
+    # just 5% of each CPU (sched_rt_runtime_us) for others while it computes. Needs
+    # CAP_SYS_NICE (or RLIMIT_RTPRIO); without, the core keeps normal scheduling and says so.
+    core_realtime_priority: int | None = None
     # Benchmarks only (`pagedq bench host`): the forward returns fixed logits and costs
     # nothing, so a run measures the host's own cost per step (worker.models.stub).
     stub_forward: bool = False
@@ -70,6 +78,7 @@ class EngineArgs:
             "max_model_len": self.max_model_len is None or self.max_model_len >= 1,
             "tensor_parallel_size": self.tensor_parallel_size >= 1,
             "core_nice": self.core_nice is None or -20 <= self.core_nice <= 19,
+            "core_realtime_priority": self.core_realtime_priority is None or 1 <= self.core_realtime_priority <= 99,
         }
         for name, ok in checks.items():
             if not ok:

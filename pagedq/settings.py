@@ -88,6 +88,13 @@ class Settings(BaseSettings):
         "worker's own): the api, Redis and the worker's own Python share its CPUs and can wait, its steps "
         "cannot. Needs CAP_SYS_NICE (compose.yaml adds it); without, the core keeps the worker's priority.",
     )
+    core_realtime_priority: int | None = Field(
+        None, ge=1, le=99, description="Real-time scheduling (SCHED_FIFO at this priority) for the engine core "
+        "process and its threads (None: normal): the api, Redis and the worker's own Python then wait for its "
+        "steps instead of preempting them (+5-15% throughput on a 2-core CPU host, "
+        "bench/results/2026-11-28-service-cpu-vs-vllm.md). Only where its threads leave CPUs for the rest; "
+        "needs CAP_SYS_NICE.",
+    )
 
     # Client side (`pagedq submit/result/cancel`).
     url: str | None = Field(None, description="The api's base URL; default http://{host}:{port}.")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +38,27 @@ def test_engine_settings_reach_the_engine(tiny_model_dir, monkeypatch):
     assert {os.getpriority(os.PRIO_PROCESS, thread) for thread in threads} == {args.core_nice}
     assert os.getpriority(os.PRIO_PROCESS, 0) == args.core_nice - 3 or args.core_nice == 19
     engine.shutdown()
+
+
+def _may_run_realtime() -> bool:
+    probe = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def test_the_engine_core_runs_at_real_time_priority_when_asked(tiny_model_dir, monkeypatch):
+    """PAGEDQ_CORE_REALTIME_PRIORITY: the core process and every thread it started run under
+    SCHED_FIFO at that priority (where this machine allows it; else normally, as before); the
+    worker's own threads keep normal scheduling."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # build_engine sets it (the worker's thread count): restored after
+    engine = build_engine(Settings(model=str(tiny_model_dir("llama")), device="cpu", core_realtime_priority=3))
+    try:
+        threads = [int(thread) for thread in os.listdir(f"/proc/{engine.core._process.pid}/task")]
+        assert len(threads) > 1
+        policies = {(os.sched_getscheduler(thread), os.sched_getparam(thread).sched_priority) for thread in threads}
+        assert policies == ({(os.SCHED_FIFO, 3)} if _may_run_realtime() else {(os.SCHED_OTHER, 0)})
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        engine.shutdown()
 
 
 def test_a_bad_engine_setting_is_a_clear_error(tiny_model_dir):

@@ -26,9 +26,10 @@ def run_core_process(settings: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGEDQ_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
-    # Before any thread starts (torch's, zmq's): Linux keeps a nice value per thread, and a
-    # new thread takes its creator's.
+    # Before any thread starts (torch's, zmq's): Linux keeps a nice value and a scheduling
+    # policy per thread, and a new thread takes its creator's.
     _set_nice(settings["engine_args"].get("core_nice"))
+    _set_realtime(settings["engine_args"].get("core_realtime_priority"))
     import msgspec
     import torch
     import zmq
@@ -109,6 +110,16 @@ def _set_nice(nice: int | None) -> None:
         logging.getLogger(__name__).warning(
             "the engine core keeps its parent's priority (nice %d): nice %d needs CAP_SYS_NICE or RLIMIT_NICE",
             os.getpriority(os.PRIO_PROCESS, 0), nice)
+
+
+def _set_realtime(priority: int | None) -> None:
+    if priority is None:
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except PermissionError:
+        logging.getLogger(__name__).warning(
+            "the engine core keeps normal scheduling: SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO")
 
 
 def _handle(core, message) -> bool:
