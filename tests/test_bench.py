@@ -161,6 +161,10 @@ def test_serve_starts_its_own_service_and_compares_with_offline(model_dir, tmp_p
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert 0 <= serve[metric]["p50"] <= serve[metric]["p99"]
     assert record["load"] == "concurrency 3" and "its own service" in record["served_by"]
+    # Every token came in some delta event; each event brought at least one.
+    assert 6 <= serve["streamed_events"] <= total
+    assert serve["tokens_per_event"] == pytest.approx(total / serve["streamed_events"])
+    assert f"streamed: {serve['streamed_events']} delta events" in out
     serve_row = next(line for line in out.splitlines() if line.startswith("pagedq serve"))
     assert "6/6" in serve_row and str(total) in serve_row
     assert f"serve / offline output throughput: {record['serve_over_offline']:.2f}x" in out

@@ -65,6 +65,9 @@ def distribution_ms(values_s: list[float]) -> dict[str, float] | None:
 def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
     done = [t for t in timings if t.ok]
     output_tokens = sum(t.output_tokens for t in done)
+    # Streamed delta events that brought tokens: a relay that falls behind merges a job's
+    # waiting deltas into one event, so tokens per event says how far behind it ran.
+    events = sum(len(t.chunk_arrivals) for t in done)
     return {
         "requests": len(timings),
         "completed": len(done),
@@ -79,4 +82,6 @@ def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
         "e2e_ms": distribution_ms([t.e2e for t in done]),
         # How long a submission waited for its answer: the api's share of TTFT under a burst.
         "accept_ms": distribution_ms([t.accepted - t.sent for t in done if t.accepted is not None]),
+        "streamed_events": events,
+        "tokens_per_event": output_tokens / events if events else None,
     }
