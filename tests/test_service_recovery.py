@@ -86,7 +86,7 @@ def test_sigkilled_worker_jobs_finish_on_another_worker(service, model):
     redis = Redis.from_url(redis_server.url)
     doomed = start_worker()
     first = wait_for_worker(api.url)["name"]
-    requests = long_requests(20, max_tokens=400)
+    requests = long_requests(20, max_tokens=1000)  # none ends before the SIGKILL, even on a loaded machine
     seq_ids = [client.submit(**body)["seq_id"] for body in requests]
     # All 20 in flight on the first worker, generating.
     wait_until(
@@ -232,7 +232,9 @@ def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model
     redis = Redis.from_url(redis_server.url)
     stalled = start_worker(heartbeat_ttl_s=2)
     first = wait_for_worker(api.url)["name"]
-    requests = long_requests(16, max_tokens=250)
+    # Long enough that none ends before the SIGSTOP: on a loaded machine the 16 result
+    # reads that see them all generating took as long as 250 tokens (11 jobs finished first).
+    requests = long_requests(16, max_tokens=1500)
     seq_ids = [client.submit(**body)["seq_id"] for body in requests]
     wait_until(lambda: all(len(client.result(s)["token_ids"]) > 0 for s in seq_ids), 30, "all 16 generating")
 
