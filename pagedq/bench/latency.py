@@ -65,8 +65,9 @@ def distribution_ms(values_s: list[float]) -> dict[str, float] | None:
 def summarize(timings: list[RequestTiming], duration_s: float) -> dict:
     done = [t for t in timings if t.ok]
     output_tokens = sum(t.output_tokens for t in done)
-    # Streamed delta events that brought tokens: a relay that falls behind merges a job's
-    # waiting deltas into one event, so tokens per event says how far behind it ran.
+    # Streamed delta events that brought tokens. A delta carries every token since the
+    # last: those of the steps one worker round trip spans, more when the api's relay fell
+    # behind and merged a job's waiting deltas. Relay cost goes with events, not tokens.
     events = sum(len(t.chunk_arrivals) for t in done)
     return {
         "requests": len(timings),
