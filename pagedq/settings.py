@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     core_realtime_priority: int | None = Field(
         None, ge=1, le=99, description="Real-time scheduling (SCHED_FIFO at this priority) for the engine core "
         "process and its threads (None: normal): the api, Redis and the worker's own Python then wait for its "
-        "steps instead of preempting them (+5-15% throughput on a 2-core CPU host, "
+        "steps instead of preempting them (+2-30% throughput in 8 of 8 pairs on a 2-core CPU host, "
         "bench/results/2026-11-28-service-cpu-vs-vllm.md). Only where its threads leave CPUs for the rest; "
         "needs CAP_SYS_NICE.",
     )

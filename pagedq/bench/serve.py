@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     if serve["tokens_per_event"] is not None:
         api_cost = (f"; api CPU per output token {serve['cpu_s']['api'] / serve['output_tokens'] * 1e6:.0f} us"
-                    if "api" in serve.get("cpu_s", {}) and serve["output_tokens"] else "")
+                    if "api" in serve["cpu_s"] else "")
         print(f"streamed: {serve['streamed_events']} delta events, {serve['tokens_per_event']:.2f} tokens each{api_cost}")
     if args.json:
         write_json(args.json, args, {
