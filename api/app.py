@@ -31,6 +31,7 @@ from api.prompts import PromptChecker
 from api.shared_round_trip import SharedRoundTrip
 from api.streaming import StreamReader
 from api.threads import blocking_limiter
+from api.turns import RequestTurns
 from api.worker_metrics import WorkerSeries
 from pagedq.live_workers import live_workers
 from pagedq.metrics import ApiMetrics
@@ -133,6 +134,8 @@ def create_app(settings: Settings) -> FastAPI:
         per_path={"/v1/files": settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
+    # Outermost: a request waiting for its turn has cost nothing yet.
+    app.add_middleware(RequestTurns, per_turn=settings.api_requests_per_turn)
     install_error_handlers(app)
     # The native routes first: a request is matched against each route in turn, and theirs
     # are the service's busiest (a POST and a stream per job).

@@ -123,6 +123,11 @@ class Settings(BaseSettings):
         "(redis_pool_timeout_s, then 503).",
     )
     redis_pool_timeout_s: float = Field(10.0, gt=0)
+    api_requests_per_turn: int = Field(
+        32, ge=1, description="Requests an api process starts per turn of its event loop (api/turns.py): a burst "
+        "arriving at once lets Redis replies and open streams through after each share, instead of holding them "
+        "until the whole burst is parsed.",
+    )
     completion_timeout_s: float = Field(
         600.0, gt=0, description="Non-streaming /v1 completions wait this long for their job; then it is canceled (504).",
     )
