@@ -39,6 +39,9 @@ class RequestTurns:
         # Requests waiting for a later turn, oldest first.
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._next_turn_due = False
+        # The loop the count is kept on: an app run on another loop later (an embedding test
+        # client's) starts afresh, not stuck on a turn its closed loop never began.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -57,9 +60,12 @@ class RequestTurns:
     def _count_turns(self) -> None:
         """Have the loop's next turn begin the count again (_new_turn(), made ready now: it runs
         in that turn, ahead of whatever is made ready after it)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop, self._started, self._waiting, self._next_turn_due = loop, 0, deque(), False
         if not self._next_turn_due:
             self._next_turn_due = True
-            asyncio.get_running_loop().call_soon(self._new_turn)
+            loop.call_soon(self._new_turn)
 
     def _new_turn(self) -> None:
         self._next_turn_due = False

@@ -79,3 +79,26 @@ def test_requests_after_a_burst_start_at_once_again():
 
 def test_other_scopes_pass_straight_through():
     assert asyncio.run(_burst(per_turn=1, size=3, scope={"type": "lifespan"})) == [0, 1, 2, "io"]
+
+
+def test_an_app_run_on_a_new_loop_is_not_stuck_on_a_turn_the_old_loop_never_began():
+    events: list = []
+    turns = RequestTurns(_recording_app(events), per_turn=2)
+
+    async def burst() -> None:
+        for n in range(2):
+            await turns({**HTTP, "n": n}, None, None)
+
+    old = asyncio.new_event_loop()
+    # Two requests take the turn's whole share; the loop stops before its next turn begins.
+    done = old.create_task(burst())
+    old.call_soon(old.stop)
+    old.run_forever()
+    assert done.done()
+    old.close()
+
+    async def later() -> None:
+        await asyncio.wait_for(turns({**HTTP, "n": 2}, None, None), timeout=5)
+
+    asyncio.run(later())
+    assert events == [0, 1, 2]
