@@ -53,7 +53,7 @@ class RequestTurns:
         if self._started < self.per_turn and not self._waiting:
             self._started += 1
             return
-        ready = asyncio.get_running_loop().create_future()
+        ready = self._loop.create_future()
         self._waiting.append(ready)
         await ready
 
