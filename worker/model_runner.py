@@ -104,6 +104,8 @@ class ModelRunner:
                                       initial_rows=2 * args.max_num_seqs + 8)
         if self.device.type == "cuda" and self.attention.name == "triton" and not args.stub_forward:
             self.compile_served_shapes()
+        if self.device.type == "cpu" and not args.stub_forward:
+            self.build_cpu_kernels()
         self.sampler = Sampler(
             self.vocab_size, eos_token_ids, generator=torch.Generator(device=self.device).manual_seed(args.seed)
         )
@@ -209,6 +211,18 @@ class ModelRunner:
                     num_seqs *= 2
         self.synchronize()
         logger.info("compiled the kernels of served batch shapes: %d forwards in %.1f s", forwards, time.perf_counter() - started)
+
+    def build_cpu_kernels(self) -> None:
+        """oneDNN builds a kernel per linear shape and row count the first time a step meets
+        it (worker.models.layers), and a new service's first steps meet them all: serving
+        512 requests on the tiny model, a decode step that met a new count cost 10.5 ms of
+        the engine core's CPU against 2.5 for one that did not. The cheap counts are built
+        now: a step's tokens go through each layer's projections, one row per sampled
+        sequence through the output embedding."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            built = self.model.build_cpu_kernels(self.args.max_num_batched_tokens, self.args.max_num_seqs)
+        logger.info("built %d oneDNN linear kernels ahead in %.2f s", built, time.perf_counter() - started)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.args.enforce_eager or self.attention.name != "triton" or self.args.stub_forward:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kernels import AttentionMetadata
 from worker.models.attention import PagedAttention
-from worker.models.layers import Linear, MergedLinear, Region, linear, pack_for_cpu
+from worker.models.layers import Linear, MergedLinear, Region, build_kernels_ahead, linear, pack_for_cpu
 from worker.tp.group import TensorParallel
 
 # A checkpoint tensor, or a safetensors slice of one that reads only what is indexed.
@@ -81,6 +81,24 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_cpu()
         self._packed_output = pack_for_cpu(self.output_embedding())
+
+    def build_cpu_kernels(self, token_rows: int, logit_rows: int) -> int:
+        """Has oneDNN build the kernels of the cheap row counts of every packed linear shape
+        now (worker.models.layers.build_kernels_ahead): each layer's projections see up to
+        `token_rows` rows, the output embedding up to `logit_rows`. Returns the products run;
+        0 off the CPU."""
+        built, shapes = 0, set()
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                bias = module.product_bias()
+                # oneDNN keeps a kernel per shape, not per weight: the layers share theirs.
+                shape = (tuple(module.weight.shape), module.weight.dtype, bias is not None)
+                if shape not in shapes:
+                    shapes.add(shape)
+                    built += build_kernels_ahead(module.weight, bias, module.packed, token_rows)
+        if self._packed_output is not None:
+            built += build_kernels_ahead(self.output_embedding(), None, self._packed_output, logit_rows)
+        return built
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layers = [m for m in self.modules() if isinstance(m, PagedAttention)]

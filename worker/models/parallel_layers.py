@@ -30,6 +30,9 @@ class RowParallelLinear(Linear):
     def checkpoint_region(self, param: str, shard: int | None) -> Region | None:
         return (1, self.first_column, self.in_features) if param == "weight" else None
 
+    def product_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp.size == 1 else None  # added after the all-reduce
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
