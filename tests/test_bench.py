@@ -11,6 +11,8 @@ import pytest
 from pagedq.bench.offline import first_mismatch
 from pagedq.bench.workload import LengthRange, make_workload, parse_length_range
 from pagedq.cli import main
+from pagedq.model_info import GENERATION_DEFAULT_FIELDS
+from pagedq.sampling_params import SamplingParams
 
 ALL_PEERS = ("pagedq", "hf-generate-batch", "hf-generate")
 NUM_PROMPTS = 4
@@ -143,6 +145,15 @@ def test_length_range_and_workload_are_reproducible():
     assert all(5 <= len(p) <= 9 and all(0 <= t < 50 for t in p) for p in first.prompts)
     assert all(1 <= n <= 3 for n in first.output_lens)
     assert make_workload(20, LengthRange(5, 9), LengthRange(1, 3), 50, seed=4, temperature=0.0) != first
+
+
+def test_a_workload_spells_out_every_field_a_service_would_default():
+    """bench serve's requests and its offline twin sample alike only if no field is left to
+    the checkpoint's generation_config.json, which the service applies (as vLLM does)."""
+    workload = make_workload(2, LengthRange(5, 9), LengthRange(1, 3), vocab_size=50, seed=3, temperature=0.6)
+    fields = workload.sampling_fields()
+    assert set(GENERATION_DEFAULT_FIELDS) <= set(fields)
+    assert SamplingParams(**fields) == SamplingParams(temperature=0.6)
 
 
 @pytest.mark.slow

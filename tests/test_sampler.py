@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedq.sampling_params import SamplingParams
-from worker.sampler import Sampler, _apply_penalties
+from worker.sampler import _TOP_P_CANDIDATES, Sampler, _apply_penalties, _apply_top_p, _apply_top_p_sorted
 
 EOS = 3
 
@@ -233,3 +233,29 @@ def test_callers_logits_are_left_untouched():
     ]
     make_sampler(6)(logits, rows)
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_p_among_the_likeliest_tokens_keeps_what_the_full_sort_keeps(seed):
+    """On the CPU top-p looks among each row's most likely tokens first; on fresh random
+    rows of a 4,096-token vocabulary it keeps exactly the full sort's set: peaked rows whose
+    nucleus is among the candidates, flat ones whose nucleus is not (sorted whole), rows
+    with top_p 1 and a tiny top_p, in one batch and each alone."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = 4096
+    scales = [8.0, 4.0, 0.5, 0.05, 8.0, 1.0, 0.05, 3.0]
+    logits = torch.randn(len(scales), vocab, generator=generator) * torch.tensor(scales)[:, None]
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 1.0, 1e-9, 0.3, 0.99])
+    expected = logits.clone()
+    _apply_top_p_sorted(expected, top_p)
+    kept = expected.isfinite().sum(dim=-1)
+    assert kept.max() > _TOP_P_CANDIDATES and kept.min() == 1  # both paths and the edge cases are taken
+    assert kept[4] == vocab
+    batch = logits.clone()
+    _apply_top_p(batch, top_p)
+    assert torch.equal(batch.isfinite(), expected.isfinite())
+    assert torch.equal(batch[batch.isfinite()], logits[expected.isfinite()])
+    for row in range(len(scales)):
+        alone = logits[row:row + 1].clone()
+        _apply_top_p(alone, top_p[row:row + 1])
+        assert torch.equal(alone.isfinite(), expected[row:row + 1].isfinite())

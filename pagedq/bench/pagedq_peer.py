@@ -42,7 +42,7 @@ class PagedqPeer:
         if self._llm is None:
             raise RuntimeError(f"{self.name}: setup() must be called before generate()")
         params = [
-            SamplingParams(temperature=workload.temperature, top_p=1.0, top_k=0, max_tokens=length, ignore_eos=True)
+            SamplingParams(**workload.sampling_fields(), max_tokens=length, ignore_eos=True)
             for length in workload.output_lens
         ]
         prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]

@@ -68,13 +68,12 @@ async def _json(response: aiohttp.ClientResponse, expected_status: int, what: st
 
 
 async def _one_request(
-    session: aiohttp.ClientSession, prompt: list[int], max_tokens: int, temperature: float, timing: RequestTiming,
+    session: aiohttp.ClientSession, prompt: list[int], max_tokens: int, sampling: dict, timing: RequestTiming,
     stream: bool = True,
 ) -> None:
     # A polling client says so (stream false): its job's partial result is then written now
     # and then, not every step.
-    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
-            "stream": stream}
+    body = {"prompt_token_ids": prompt, "max_tokens": max_tokens, **sampling, "ignore_eos": True, "stream": stream}
     timing.sent = time.perf_counter()
     try:
         async with session.post("/generate", json=body) as response:
@@ -145,7 +144,8 @@ async def _run_load(
     async def gated(index: int) -> None:
         async with gate:
             await _one_request(
-                session, workload.prompts[index], workload.output_lens[index], workload.temperature, timings[index], stream,
+                session, workload.prompts[index], workload.output_lens[index], workload.sampling_fields(), timings[index],
+                stream,
             )
 
     try:

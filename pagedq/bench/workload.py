@@ -90,6 +90,12 @@ class Workload:
     def max_total_len(self) -> int:
         return max(len(p) + n for p, n in zip(self.prompts, self.output_lens))
 
+    def sampling_fields(self) -> dict:
+        """The sampling of every request, spelled out whole: a service fills the fields a
+        request leaves out from the checkpoint's generation_config.json (SmolLM2's says
+        top_p 0.9), which the offline engine, given SamplingParams, does not."""
+        return {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
     def head(self, count: int, max_output_len: int) -> Workload:
         """The first `count` requests with outputs capped: a cheap warm-up with the same shapes' code paths."""
         return Workload(
