@@ -365,24 +365,25 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
 
 
 def _apply_top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    logits.masked_fill_(_top_p_removed_sorted(logits, top_p), float("-inf"))
+
+
+def _top_p_removed_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    logits.masked_fill_(_top_p_removed(sorted_probs, top_p, order, logits.shape[1]), float("-inf"))
+    return _top_p_removed(sorted_logits.softmax(dim=-1), top_p, order, logits.shape[1])
 
 
 def _apply_top_p_among_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None:
     """The same set as the full sort, found among each row's _TOP_P_CANDIDATES most likely
     tokens where their probability reaches top_p; the other rows are sorted whole (on the
     CPU, telling which rows they are costs no wait)."""
-    vocab_size = logits.shape[1]
     top_logits, order = logits.topk(_TOP_P_CANDIDATES, dim=-1)
     top_probs = (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-    removed = _top_p_removed(top_probs, top_p, order, vocab_size)
+    removed = _top_p_removed(top_probs, top_p, order, logits.shape[1])
     within = (top_probs.sum(dim=-1) >= top_p) | (top_p >= 1.0)
     if not within.all():
         others = (~within).nonzero().squeeze(1)
-        sorted_logits, full_order = logits[others].sort(dim=-1, descending=True)
-        removed[others] = _top_p_removed(sorted_logits.softmax(dim=-1), top_p[others], full_order, vocab_size)
+        removed[others] = _top_p_removed_sorted(logits[others], top_p[others])
     logits.masked_fill_(removed, float("-inf"))
 
 
