@@ -131,6 +131,7 @@ async def _run_load(
     timings = [RequestTiming(sent=0.0) for _ in workload.prompts]
     gate = asyncio.Semaphore(concurrency or len(timings))
     arrivals = random.Random(workload.seed)
+    sampling = workload.sampling_fields()
     # aiohttp, as `vllm bench serve` uses: its C HTTP parser costs the client a fraction of
     # what a pure-Python one does per streamed event, and the client shares the machine's
     # cores with the service it measures. One keep-alive connection per request in flight.
@@ -144,8 +145,7 @@ async def _run_load(
     async def gated(index: int) -> None:
         async with gate:
             await _one_request(
-                session, workload.prompts[index], workload.output_lens[index], workload.sampling_fields(), timings[index],
-                stream,
+                session, workload.prompts[index], workload.output_lens[index], sampling, timings[index], stream,
             )
 
     try:

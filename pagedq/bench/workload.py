@@ -8,6 +8,9 @@ import argparse
 import random
 from dataclasses import dataclass
 
+from pagedq.model_info import GENERATION_DEFAULT_FIELDS
+from pagedq.sampling_params import SamplingParams
+
 # nano-vllm's bench samples at this temperature; --greedy switches to argmax.
 DEFAULT_TEMPERATURE = 0.6
 
@@ -94,7 +97,7 @@ class Workload:
         """The sampling of every request, spelled out whole: a service fills the fields a
         request leaves out from the checkpoint's generation_config.json (SmolLM2's says
         top_p 0.9), which the offline engine, given SamplingParams, does not."""
-        return {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        return SamplingParams(temperature=self.temperature).model_dump(include=set(GENERATION_DEFAULT_FIELDS))
 
     def head(self, count: int, max_output_len: int) -> Workload:
         """The first `count` requests with outputs capped: a cheap warm-up with the same shapes' code paths."""
