@@ -352,11 +352,19 @@ class StreamHub:
                     entries = decode_entries(raw_entries)
                     now = time.monotonic()
                     self._hot[key] = now
+                    read_from = cursors[key]
                     for follower in self._followers.get(key, ()):
-                        if follower.cursor == cursors.get(key):
+                        if follower.cursor == read_from:
                             new = entries  # read from its own cursor (the usual one follower a stream)
                         else:
                             cursor = _entry_id(follower.cursor)
+                            if cursor < _entry_id(read_from):
+                                # It joined behind this read (a resume from an earlier entry, a
+                                # second viewer from the start): what lies between its cursor and
+                                # the read's comes in the next read, from the earliest cursor.
+                                # This read's entries now would carry it past that for good.
+                                self._news.add(key)
+                                continue
                             new = [entry for entry in entries if _entry_id(entry[0]) > cursor]
                         if new:
                             follower.cursor = new[-1][0]

@@ -257,6 +257,42 @@ def test_the_stream_hub_gives_a_refused_read_only_to_its_own_followers(service):
     assert [fields["text"] for batch in batches for _, fields in batch] == ["x", "y"]
 
 
+def test_a_follower_joining_behind_the_hubs_read_misses_nothing(service):
+    """A client resuming a stream from an earlier entry (Last-Event-ID), or a second viewer
+    of a job from its start, joins while the hub's read of that stream is out from where its
+    other follower stands: the read's entries must not carry the newcomer past what lies
+    between its cursor and that read's."""
+    _, _, redis_server = service
+
+    async def run() -> list[str]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        writer = Redis.from_url(redis_server.url)
+        hub = StreamHub(connection, block_s=30)
+        key = stream_key("joined-behind")
+        try:
+            first_id = writer.xadd(key, {"type": "delta", "text": "a"}).decode()
+            writer.xadd(key, {"type": "delta", "text": "b"})
+            async with hub.follow("joined-behind", "0-0") as ahead:
+                assert len(await asyncio.wait_for(ahead.get(), 10)) == 2
+                await asyncio.sleep(0.2)  # the hub is blocked in its read after "b"
+                # Written while the loop cannot run: the read's reply ("c") waits for the hub
+                # task, which runs only once the newcomer has joined.
+                writer.xadd(key, {"type": "delta", "text": "c"})
+                async with hub.follow("joined-behind", first_id) as behind:
+                    texts: list[str] = []
+                    while len(texts) < 2:
+                        batch = await asyncio.wait_for(behind.get(), 10)
+                        assert isinstance(batch, list), f"after {texts}: {batch!r}"
+                        texts += [fields["text"] for _, fields in batch]
+                    return texts
+        finally:
+            await hub.close()
+            await connection.aclose()
+            writer.close()
+
+    assert asyncio.run(run()) == ["b", "c"]
+
+
 def test_streams_opened_in_a_burst_join_the_hubs_read_at_once_on_few_wakes(service):
     """A follower joining while the hub's read is blocked makes it read again at once (well
     inside its 30 s block), also when the wake lands while a read is being sent; fifty
