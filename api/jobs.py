@@ -25,7 +25,6 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry
 from rq.results import Result
 from rq.scripts import _build_hset_args
-from rq.serializers import JSONSerializer
 
 from api.auth import ANYONE, Caller
 from api.shared_round_trip import SharedRoundTrip
@@ -36,6 +35,7 @@ from pagedq.redis_schema import (
     ENDED_KEY,
     ENDED_MAXLEN,
     JOB_FUNCTION,
+    JOB_SERIALIZER,
     OWNER_META_KEY,
     WRITTEN_KEY,
     InvalidJob,
@@ -197,8 +197,8 @@ class JobStore:
         """`on_enqueued(queue name, count)`: told of every enqueue (metrics)."""
         self.connection = connection
         self.settings = settings
-        self.queue = Queue(settings.queue_name, connection=connection, serializer=JSONSerializer)
-        self.batch_queue = Queue(batch_queue_name(settings.queue_name), connection=connection, serializer=JSONSerializer)
+        self.queue = Queue(settings.queue_name, connection=connection, serializer=JOB_SERIALIZER)
+        self.batch_queue = Queue(batch_queue_name(settings.queue_name), connection=connection, serializer=JOB_SERIALIZER)
         self.on_enqueued = on_enqueued
 
     @staticmethod
@@ -293,7 +293,7 @@ class JobStore:
             pipeline.hgetall(Job.key_for(seq_id)), pipeline.xrevrange(Result.get_key(seq_id), count=1)))
         if not raw:
             return None
-        job = Job(seq_id, connection=self.connection, serializer=JSONSerializer)
+        job = Job(seq_id, connection=self.connection, serializer=JOB_SERIALIZER)
         try:
             job.restore(raw)  # as Job.fetch() restores what it reads
         except NoSuchJobError:
@@ -301,7 +301,7 @@ class JobStore:
         if not caller.owns(job.meta.get(OWNER_META_KEY, "")):
             return None
         result = (Result.restore(seq_id, latest[0][0].decode(), latest[0][1], connection=self.connection,
-                                 serializer=JSONSerializer) if latest else None)
+                                 serializer=JOB_SERIALIZER) if latest else None)
         return StoredJob(job, result, latest_read=True)
 
     def snapshot(self, seq_id: str, caller: Caller) -> ResultResponse | None:
@@ -358,8 +358,8 @@ class JobStore:
 
     def _cancel(self, client, job: Job):
         """_CANCEL_ONE for one job, on a connection or a pipeline."""
-        queue = Queue(job.origin, connection=self.connection, serializer=JSONSerializer)
-        registry = CanceledJobRegistry(job.origin, connection=self.connection, serializer=JSONSerializer)
+        queue = Queue(job.origin, connection=self.connection, serializer=JOB_SERIALIZER)
+        registry = CanceledJobRegistry(job.origin, connection=self.connection, serializer=JOB_SERIALIZER)
         keys = [job.key, queue.key, registry.key, cancels_key(self.settings.queue_name), stream_key(job.id), ENDED_KEY,
                 WRITTEN_KEY]
         args = [job.id, time.time(), self.settings.result_ttl_s, self.settings.stream_ttl_s, ENDED_MAXLEN,
@@ -371,7 +371,7 @@ class JobStore:
         """Cancel many jobs at once (a batch's lines): queued ones never run (no stream
         "end" events for them: relays notice the canceled status by themselves), running
         ones are aborted by their worker within a step."""
-        jobs = [job for job in Job.fetch_many(seq_ids, self.connection, serializer=JSONSerializer) if job is not None]
+        jobs = [job for job in Job.fetch_many(seq_ids, self.connection, serializer=JOB_SERIALIZER) if job is not None]
         running = []
         by_queue: dict[str, list[Job]] = {}
         for job in jobs:
@@ -381,8 +381,8 @@ class JobStore:
             elif state == "queued":
                 by_queue.setdefault(job.origin, []).append(job)
         for origin, queued in by_queue.items():
-            registry = CanceledJobRegistry(origin, connection=self.connection, serializer=JSONSerializer)
-            queue_key = Queue(origin, connection=self.connection, serializer=JSONSerializer).key
+            registry = CanceledJobRegistry(origin, connection=self.connection, serializer=JOB_SERIALIZER)
+            queue_key = Queue(origin, connection=self.connection, serializer=JOB_SERIALIZER).key
             for start in range(0, len(queued), _CANCEL_CHUNK):
                 chunk = queued[start:start + _CANCEL_CHUNK]
                 self.connection.eval(
@@ -417,7 +417,7 @@ class JobStore:
     def _fetch(self, seq_id: str, caller: Caller = ANYONE) -> Job | None:
         """The job, if it exists and the caller may see it: another tenant's job is as absent as none."""
         try:
-            job = Job.fetch(seq_id, connection=self.connection, serializer=JSONSerializer)
+            job = Job.fetch(seq_id, connection=self.connection, serializer=JOB_SERIALIZER)
         except NoSuchJobError:
             return None
         return job if caller.owns(job.meta.get(OWNER_META_KEY, "")) else None

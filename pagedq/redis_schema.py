@@ -21,11 +21,16 @@ from typing import Literal, NamedTuple
 from pydantic import BaseModel
 from redis.client import Pipeline
 from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
 
 # ---- jobs ---------------------------------------------------------------------------
 
 # The RQ job function, by dotted path so the api never imports engine code.
 JOB_FUNCTION = "worker.jobs.generate"
+# How every job and result is serialized, by the api, the workers and every reader: JSON,
+# never pickle (nothing read from Redis may execute code). The class, as RQ's workers name
+# their serializer by its path.
+JOB_SERIALIZER = JSONSerializer
 # job.meta fields: the running job's partial result, and the request body's hash (Idempotency-Key replays).
 PROGRESS_META_KEY = "progress"
 BODY_HASH_META_KEY = "request_sha256"

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 from redis import Redis
 from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from api.batches.schemas import BatchRecord, BatchUsage, stage_job_id
 from api.errors import describe_validation_errors
@@ -24,7 +23,7 @@ from api.prompts import PromptChecker
 from api.summaries.summarizer import Summarizer
 from pagedq.protocol import JobPayload
 from pagedq.redis_connection import passing_redis_trouble
-from pagedq.redis_schema import TERMINAL, batch_key, job_state
+from pagedq.redis_schema import JOB_SERIALIZER, TERMINAL, batch_key, job_state
 from pagedq.settings import Settings
 from pagedq.summaries import DocumentProgress, StageUsage, SummarizeOptions, SummaryBody
 
@@ -159,13 +158,13 @@ class SummaryLines:
         """The document's outcome, or None when its next stage was queued."""
         job_ids = state.job_ids(record.id, index)
         if "failed" in parts:
-            job = Job.fetch_many([job_ids[parts.index("failed")]], self.connection, serializer=JSONSerializer)[0]
+            job = Job.fetch_many([job_ids[parts.index("failed")]], self.connection, serializer=JOB_SERIALIZER)[0]
             state.error = JobStore.failure_message(job) if job is not None else "the job is gone"
             return self._end(record, index, state, "failed")
         if "canceled" in parts or record.status != "in_progress":
             return self._end(record, index, state, "canceled")
         results = [self.jobs.job_outcome(job)[1] if job is not None else None
-                   for job in Job.fetch_many(job_ids, self.connection, serializer=JSONSerializer)]
+                   for job in Job.fetch_many(job_ids, self.connection, serializer=JOB_SERIALIZER)]
         if None in results:
             state.error = "a partial summary's result expired before the next stage read it"
             return self._end(record, index, state, "failed")

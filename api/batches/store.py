@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 from redis import Redis
 from rq.job import Job
-from rq.serializers import JSONSerializer
 
 from api.auth import ANYONE, Caller
 from api.batches import lease
@@ -60,7 +59,7 @@ from api.jobs import JobStore, invalid_input
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.summaries.summarizer import InvalidOptions, Summarizer
 from pagedq.protocol import JobPayload
-from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, TERMINAL, batch_key, job_state, tenant_batches_key
+from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, JOB_SERIALIZER, TERMINAL, batch_key, job_state, tenant_batches_key
 from pagedq.request_rules import MAX_JSON_DEPTH, json_too_deep
 from pagedq.settings import Settings
 from pagedq.summaries import SUMMARIES_ENDPOINT, SummarizeOptions
@@ -466,7 +465,7 @@ class BatchStore:
         for start in range(0, len(indices), _CHUNK_LINES):
             chunk = indices[start:start + _CHUNK_LINES]
             ids = [line_job_id(record.id, index) for index in chunk]
-            yield from zip(chunk, Job.fetch_many(ids, self.connection, serializer=JSONSerializer))
+            yield from zip(chunk, Job.fetch_many(ids, self.connection, serializer=JOB_SERIALIZER))
             lease.renew(self.connection, record.id)
 
     def _output_lines(self, record: BatchRecord, finished: list[int], custom_ids: dict, expired: list[int],
@@ -508,5 +507,5 @@ class BatchStore:
         """Why a line failed: its job's failure (a document's: the first of its jobs that failed)."""
         if record.summary is not None:
             return self.documents.failure(record, index)
-        job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JSONSerializer)[0]
+        job = Job.fetch_many([line_job_id(record.id, index)], self.connection, serializer=JOB_SERIALIZER)[0]
         return JobStore.failure_message(job) if job is not None else "the job is gone"

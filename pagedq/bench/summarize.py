@@ -53,10 +53,10 @@ def _service_run(args: argparse.Namespace, text: str, tmp: Path) -> tuple[dict, 
     """The batch's numbers, and the map jobs' prompts."""
     from redis import Redis
     from rq.job import Job
-    from rq.serializers import JSONSerializer
 
     from pagedq.client import Client
     from pagedq.local_service import LocalService, StartupFailed
+    from pagedq.redis_schema import JOB_SERIALIZER
     from pagedq.redis_server import free_port
     from pagedq.settings import Settings
     from pagedq.summaries import SUMMARIES_ENDPOINT
@@ -90,7 +90,7 @@ def _service_run(args: argparse.Namespace, text: str, tmp: Path) -> tuple[dict, 
             mapped = body["stages"][0]
             redis = Redis.from_url(service.settings.redis_url)
             ids = [f"{batch['id']}-0-0-{part}" for part in range(mapped["requests"])]
-            jobs = Job.fetch_many(ids, redis, serializer=JSONSerializer)
+            jobs = Job.fetch_many(ids, redis, serializer=JOB_SERIALIZER)
             map_end = max(_timestamp(job.ended_at) for job in jobs)
             prompts = [job.kwargs["prompt_token_ids"] for job in jobs]
         finally:

@@ -26,12 +26,11 @@ from rq.registry import (
     ScheduledJobRegistry,
     StartedJobRegistry,
 )
-from rq.serializers import JSONSerializer
 from rq.suspension import WORKERS_SUSPENDED
 from rq.worker import Worker
 
 from pagedq.chaos.ledger import Ledger, Violation
-from pagedq.redis_schema import EVENT_END, TERMINAL, job_state, stream_key
+from pagedq.redis_schema import EVENT_END, JOB_SERIALIZER, TERMINAL, job_state, stream_key
 from pagedq.reference import offline_greedy
 
 # RQ's own structures, which live as long as their queue or worker: queues (and their
@@ -97,7 +96,7 @@ def read_jobs(redis: Redis) -> dict[str, JobRecord]:
             pipeline.xrange(stream_key(seq_id))
         streams = pipeline.execute()
     records = {}
-    for job, stream in zip(Job.fetch_many(ids, connection=redis, serializer=JSONSerializer), streams):
+    for job, stream in zip(Job.fetch_many(ids, connection=redis, serializer=JOB_SERIALIZER), streams):
         if job is None:  # expired since the scan
             continue
         state = job_state(job.get_status(refresh=False)) or "queued"

@@ -60,7 +60,6 @@ from redis import Redis
 from rq.command import parse_payload
 from rq.job import Job
 from rq.queue import Queue
-from rq.serializers import JSONSerializer
 from rq.suspension import is_suspended
 from rq.utils import as_text
 from rq.utils import now as utcnow
@@ -70,7 +69,7 @@ from pagedq.front.core_client import EngineDeadError
 from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.metrics import WorkerMetrics
 from pagedq.redis_connection import connect, passing_redis_trouble
-from pagedq.redis_schema import FencedWrite, RequestFailed, batch_queue_name, expire_canceled, queue_fenced_commands
+from pagedq.redis_schema import JOB_SERIALIZER, FencedWrite, RequestFailed, batch_queue_name, expire_canceled, queue_fenced_commands
 from pagedq.settings import Settings
 from worker.rq import outcomes
 from worker.rq.heartbeats import Heartbeats
@@ -100,7 +99,7 @@ class BatchWorker(BaseWorker):
         super().__init__(
             [settings.queue_name, batch_queue_name(settings.queue_name)],  # in order of preference
             connection=connection,
-            serializer=JSONSerializer,
+            serializer=JOB_SERIALIZER,
             worker_ttl=settings.heartbeat_ttl_s,
             log_job_description=False,  # descriptions hold prompts
         )
