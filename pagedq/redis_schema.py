@@ -336,12 +336,77 @@ def queue_fenced_commands(pipeline: Pipeline, writes: list[FencedWrite]) -> None
     keys: list[str] = []
     args: list = []
     for job_key, execution_key, recorder in writes:
-        commands = [command for command, _ in recorder.command_stack]
         keys.append(job_key)
-        args += [execution_key, len(commands)]
-        for command in commands:
-            args += [len(command), *command]
+        args.append(execution_key)
+        _add_commands(args, recorder)
     pipeline.eval(FENCED_COMMANDS_SCRIPT, len(keys), *keys, *args)
+
+
+# Starts the jobs a worker took from its queues (worker/rq/job_starts.py), each atomically
+# with the check that its hash is still the queued job the worker read: a cancel or a
+# delete landing between that read and this write wins, and a job deleted and enqueued
+# again under its id (an Idempotency-Key reused after expiry) is told apart by its
+# created_at. What WATCH and MULTI would do, in one script call for every job, without
+# a transaction's per-command replies. Each job's removal from the intermediate list it
+# was moved to runs whatever the check says.
+# KEYS: per job, its hash. ARGV: per job: its created_at as read ("" when there was no job
+# to read), then its removal's commands and its start's commands, each list as
+# FENCED_COMMANDS_SCRIPT takes them (a count, then per command its argument count and
+# arguments). Returns the positions (1-based) of the jobs not started.
+START_JOBS_SCRIPT = f"""
+local function run(at, wanted)
+    local commands = tonumber(ARGV[at])
+    at = at + 1
+    for c = 1, commands do
+        local argc = tonumber(ARGV[at])
+        if wanted then redis.call(unpack(ARGV, at + 1, at + argc)) end
+        at = at + 1 + argc
+    end
+    return at
+end
+local at, skipped = 1, {{}}
+for j = 1, #KEYS do
+    local created = ARGV[at]
+    local job = redis.call('HMGET', KEYS[j], 'status', 'created_at')
+    local queued = created ~= '' and job[1] == '{JobStatus.QUEUED.value}' and job[2] == created
+    if not queued then skipped[#skipped + 1] = j end
+    at = run(run(at + 1, true), queued)
+end
+return skipped
+"""
+
+
+class JobStart(NamedTuple):
+    """Commands recorded for starting one job that a worker took (pipelines that never
+    run): `removal` runs whatever, `start` only while the job's hash is still the queued
+    job read with `created_at` ("": none was read; `start` then holds nothing)."""
+
+    job_key: str
+    created_at: str
+    removal: Pipeline
+    start: Pipeline
+
+
+def queue_job_starts(pipeline: Pipeline, starts: list[JobStart]) -> None:
+    """Queue on `pipeline` one START_JOBS_SCRIPT call for `starts`. Its reply: the 1-based
+    positions of the jobs not started."""
+    keys: list[str] = []
+    args: list = []
+    for job_key, created_at, removal, start in starts:
+        keys.append(job_key)
+        args.append(created_at)
+        _add_commands(args, removal)
+        _add_commands(args, start)
+    pipeline.eval(START_JOBS_SCRIPT, len(keys), *keys, *args)
+
+
+def _add_commands(args: list, recorder: Pipeline) -> None:
+    """A recorder's commands as the scripts above take them: their number, then each one's
+    argument count and arguments."""
+    commands = [command for command, _ in recorder.command_stack]
+    args.append(len(commands))
+    for command in commands:
+        args += [len(command), *command]
 
 
 def _append_event(pipeline: Pipeline, seq_id: str, stream_ttl_s: int, fields: dict[str, str]) -> None:
