@@ -9,6 +9,9 @@ treat the directory as read-only (copy it before editing files in it).
 `tiny_arch` is parametrized over every architecture `make_tiny_model` can write, so a
 test taking it runs once per architecture.
 
+`redis_server` is a Redis server of the test module's own (pagedq.redis_server.RedisServer,
+started on a free port), and `redis` a client of it.
+
 `overlap` is parametrized over the engine core's two ways of stepping: each step
 collected before the next is scheduled, and overlapped steps (`async_scheduling`: step
 N+1 scheduled and launched before step N's tokens are known on the host). A test taking
@@ -21,7 +24,9 @@ import json
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
+from pagedq.redis_server import RedisServer
 from pagedq.tiny_model import TINY_ARCHS, make_tiny_model
 
 
@@ -46,3 +51,15 @@ def tiny_arch(request) -> str:
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
 def overlap(request) -> bool:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis(redis_server) -> Redis:
+    return Redis.from_url(redis_server.url)

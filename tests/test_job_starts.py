@@ -5,7 +5,6 @@ worker's read of a job and its write wins over the start."""
 from __future__ import annotations
 
 import pytest
-from redis import Redis
 from rq.job import Job, JobStatus
 from rq.worker import Worker
 
@@ -13,18 +12,10 @@ from api.auth import ANYONE
 from api.jobs import ENQUEUE_SCRIPT, JobStore
 from pagedq.protocol import GenerateRequest
 from pagedq.redis_schema import EXECUTION_FIELD, JOB_SERIALIZER, InvalidJob
-from pagedq.redis_server import RedisServer
 from pagedq.settings import Settings
 from worker.rq.job_starts import start_jobs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield Redis.from_url(server.url)
-    server.stop()
 
 
 @pytest.fixture

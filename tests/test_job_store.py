@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from rq.job import Job, JobStatus
@@ -17,15 +16,7 @@ from api.auth import ANYONE, Caller
 from api.jobs import ENQUEUE_SCRIPT, JobStore
 from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import GenerateRequest, GenerationResult, Timings, Usage
-from pagedq.redis_server import RedisServer
 from tests.service_helpers import service_settings
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 def _ended_job(store: JobStore, owner: str, status: JobStatus, result: GenerationResult | None = None) -> Job:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis import Redis
 from rq.registry import CanceledJobRegistry
 
 from api.auth import ANYONE
@@ -15,17 +14,9 @@ from api.jobs import ENQUEUE_SCRIPT, AlreadyFinished, JobStore
 from api.retention import sweep
 from pagedq.protocol import GenerateRequest
 from pagedq.redis_schema import BATCHES_KEY, FILES_KEY, batch_queue_name, tenant_batches_key
-from pagedq.redis_server import RedisServer
 from pagedq.settings import Settings
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield Redis.from_url(server.url)
-    server.stop()
 
 
 def submit(store: JobStore, count: int) -> list[str]:

@@ -35,13 +35,6 @@ def model(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def api(model, redis_server, tmp_path_factory):
     settings = service_settings(
         model, redis_server.url, tmp_path_factory.mktemp("api"), api_keys=[KEY], max_body_bytes=4096,

@@ -16,15 +16,7 @@ from rq import Queue
 from api.jobs import JobStore, QueueFull
 from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import GenerateRequest
-from pagedq.redis_server import RedisServer
 from tests.service_helpers import service_settings
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 def _store(redis_server, tmp_path, queue_name: str, **overrides) -> JobStore:

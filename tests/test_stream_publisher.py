@@ -26,7 +26,6 @@ from pagedq.redis_schema import (
     read_partial,
     stream_key,
 )
-from pagedq.redis_server import RedisServer
 from worker.rq.publisher import Delta, ProgressPublisher
 
 pytestmark = pytest.mark.slow
@@ -34,13 +33,6 @@ pytestmark = pytest.mark.slow
 # Pieces of text a token may decode to, some of several bytes and some empty (a token
 # that ends mid-character).
 _PIECES = ["a", " 8", "é", "日本", "", "🙂", " the", "\n"]
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield Redis.from_url(server.url)
-    server.stop()
 
 
 def _job(redis: Redis, seq_id: str) -> Job:

@@ -3,19 +3,8 @@
     cd bench/results/2026-11-28-front-per-request && ../../../.venv/bin/python bare_fastapi_cost.py [--no-access-log]
 """
 import asyncio, os, subprocess, sys, time
-import aiohttp
-def cpu(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-async def fire(url, method, n, body=None, conc=64):
-    sem = asyncio.Semaphore(conc)
-    async with aiohttp.ClientSession() as s:
-        async def one():
-            async with sem:
-                async with s.request(method, url, json=body) as r:
-                    await r.read()
-        await asyncio.gather(*(one() for _ in range(n)))
+from api_cost_per_request import cpu, fire
+
 port = 18123
 args = sys.argv[1:]
 api = subprocess.Popen([sys.executable, "-m", "uvicorn", "bareapp:app", "--port", str(port), *args], cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
