@@ -349,10 +349,10 @@ def queue_fenced_commands(pipeline: Pipeline, writes: list[FencedWrite]) -> None
 # created_at. What WATCH and MULTI would do, in one script call for every job, without
 # a transaction's per-command replies. Each job's removal from the intermediate list it
 # was moved to runs whatever the check says.
-# KEYS: per job, its hash. ARGV: per job: its created_at as read ("" when there was no job
-# to read), then its removal's commands and its start's commands, each list as
-# FENCED_COMMANDS_SCRIPT takes them (a count, then per command its argument count and
-# arguments). Returns the positions (1-based) of the jobs not started.
+# KEYS: per job, its hash. ARGV: per job: "1" if a job was read ("0" if none was there), its
+# created_at as read ("" if it had none), then its removal's commands and its start's
+# commands, each list as FENCED_COMMANDS_SCRIPT takes them (a count, then per command its
+# argument count and arguments). Returns the positions (1-based) of the jobs not started.
 START_JOBS_SCRIPT = f"""
 local function run(at, wanted)
     local commands = tonumber(ARGV[at])
@@ -366,11 +366,10 @@ local function run(at, wanted)
 end
 local at, skipped = 1, {{}}
 for j = 1, #KEYS do
-    local created = ARGV[at]
     local job = redis.call('HMGET', KEYS[j], 'status', 'created_at')
-    local queued = created ~= '' and job[1] == '{JobStatus.QUEUED.value}' and job[2] == created
+    local queued = ARGV[at] == '1' and job[1] == '{JobStatus.QUEUED.value}' and (job[2] or '') == ARGV[at + 1]
     if not queued then skipped[#skipped + 1] = j end
-    at = run(run(at + 1, true), queued)
+    at = run(run(at + 2, true), queued)
 end
 return skipped
 """
@@ -379,10 +378,11 @@ return skipped
 class JobStart(NamedTuple):
     """Commands recorded for starting one job that a worker took (pipelines that never
     run): `removal` runs whatever, `start` only while the job's hash is still the queued
-    job read with `created_at` ("": none was read; `start` then holds nothing)."""
+    job read with `created_at` ("" if it had none; None: no job was read, and `start` holds
+    nothing)."""
 
     job_key: str
-    created_at: str
+    created_at: str | None
     removal: Pipeline
     start: Pipeline
 
@@ -394,7 +394,7 @@ def queue_job_starts(pipeline: Pipeline, starts: list[JobStart]) -> None:
     args: list = []
     for job_key, created_at, removal, start in starts:
         keys.append(job_key)
-        args.append(created_at)
+        args += ["0", ""] if created_at is None else ["1", created_at]
         _add_commands(args, removal)
         _add_commands(args, start)
     pipeline.eval(START_JOBS_SCRIPT, len(keys), *keys, *args)

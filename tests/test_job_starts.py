@@ -63,6 +63,16 @@ def test_started_jobs_are_what_rq_shows_and_leave_the_intermediate_list(store):
     assert store.connection.hget(worker.key, "state") == b"busy"
 
 
+def test_a_queued_job_without_a_created_at_is_started_all_the_same(store):
+    """RQ's jobs always carry one; a job another writer made without it is run, not dropped
+    from the intermediate list unstarted (lost)."""
+    ids = take(store, 2)
+    store.connection.hdel(Job.key_for(ids[0]), "created_at")
+    _, started = start(store, ids)
+    assert [item.job.id for item in started] == ids
+    assert store.connection.hget(Job.key_for(ids[0]), "status") == JobStatus.STARTED.value.encode()
+
+
 def test_a_job_canceled_or_deleted_before_the_read_is_left_out(store):
     ids = take(store, 3)
     store.connection.hset(Job.key_for(ids[0]), "status", JobStatus.CANCELED.value)

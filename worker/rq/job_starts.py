@@ -45,7 +45,7 @@ def start_jobs(connection: Redis, ids: list[str], queues: list[Queue], serialize
             removal.lrem(queue.intermediate_queue_key, 1, job_id)
         start = connection.pipeline(transaction=False)
         if job is None or job.get_status(refresh=False) != JobStatus.QUEUED:
-            starts.append(JobStart(Job.key_for(job_id), "", removal, start))
+            starts.append(JobStart(Job.key_for(job_id), None, removal, start))
             candidates.append(None)  # deleted or canceled while in transit
             continue
         execution = Execution.create(job, heartbeat_ttl_s, start, worker_name=worker_name)
@@ -59,7 +59,7 @@ def start_jobs(connection: Redis, ids: list[str], queues: list[Queue], serialize
             start_progress(start, job, len(item.payload.prompt_token_ids), stream_ttl_s)
         except Exception:
             item.error = sys.exc_info()
-        starts.append(JobStart(job.key, as_text(raw[b"created_at"]), removal, start))
+        starts.append(JobStart(job.key, as_text(raw.get(b"created_at", b"")), removal, start))
         candidates.append(item)
     with connection.pipeline(transaction=False) as pipeline:
         queue_job_starts(pipeline, starts)
