@@ -294,6 +294,22 @@ if #written > 0 then announce(KEYS[#KEYS], table.concat(written, ' ')) end
 return lost
 """
 
+# `run_commands(at, wanted)`: the list of recorded commands at ARGV[at] (their number, then
+# per command its argument count and arguments, as _add_commands() writes them), run if
+# `wanted`; returns where ARGV goes on after it.
+_RUN_COMMANDS_LUA = """
+local function run_commands(at, wanted)
+    local commands = tonumber(ARGV[at])
+    at = at + 1
+    for c = 1, commands do
+        local argc = tonumber(ARGV[at])
+        if wanted then redis.call(unpack(ARGV, at + 1, at + argc)) end
+        at = at + 1 + argc
+    end
+    return at
+end
+"""
+
 # Runs, for each job its execution still owns (owns() above), the commands given for it:
 # what RQ's success path would have sent in its own transaction (redis-py queues them
 # on a pipeline that is never executed; their arguments come here), then the stream's
@@ -301,20 +317,12 @@ return lost
 # KEYS: per job, its hash. ARGV: per job: its execution's composite key, its number of
 # commands, then per command its argument count and arguments. Returns the positions
 # (1-based) of the jobs it wrote nothing for.
-FENCED_COMMANDS_SCRIPT = _OWNS_LUA + """
+FENCED_COMMANDS_SCRIPT = _OWNS_LUA + _RUN_COMMANDS_LUA + """
 local at, lost = 1, {}
 for j = 1, #KEYS do
     local mine = owns(KEYS[j], ARGV[at])
-    local commands = tonumber(ARGV[at + 1])
-    at = at + 2
     if not mine then lost[#lost + 1] = j end
-    for c = 1, commands do
-        local argc = tonumber(ARGV[at])
-        if mine then
-            redis.call(unpack(ARGV, at + 1, at + argc))
-        end
-        at = at + 1 + argc
-    end
+    at = run_commands(at + 1, mine)
 end
 return lost
 """
@@ -351,25 +359,15 @@ def queue_fenced_commands(pipeline: Pipeline, writes: list[FencedWrite]) -> None
 # was moved to runs whatever the check says.
 # KEYS: per job, its hash. ARGV: per job: "1" if a job was read ("0" if none was there), its
 # created_at as read ("" if it had none), then its removal's commands and its start's
-# commands, each list as FENCED_COMMANDS_SCRIPT takes them (a count, then per command its
-# argument count and arguments). Returns the positions (1-based) of the jobs not started.
-START_JOBS_SCRIPT = f"""
-local function run(at, wanted)
-    local commands = tonumber(ARGV[at])
-    at = at + 1
-    for c = 1, commands do
-        local argc = tonumber(ARGV[at])
-        if wanted then redis.call(unpack(ARGV, at + 1, at + argc)) end
-        at = at + 1 + argc
-    end
-    return at
-end
+# commands, each a list of recorded commands as run_commands() takes them. Returns the
+# positions (1-based) of the jobs not started.
+START_JOBS_SCRIPT = _RUN_COMMANDS_LUA + f"""
 local at, skipped = 1, {{}}
 for j = 1, #KEYS do
     local job = redis.call('HMGET', KEYS[j], 'status', 'created_at')
     local queued = ARGV[at] == '1' and job[1] == '{JobStatus.QUEUED.value}' and (job[2] or '') == ARGV[at + 1]
     if not queued then skipped[#skipped + 1] = j end
-    at = run(run(at + 2, true), queued)
+    at = run_commands(run_commands(at + 2, true), queued)
 end
 return skipped
 """
