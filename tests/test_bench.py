@@ -31,10 +31,13 @@ def bench_offline(model_dir: str, *extra: str) -> list[str]:
     ]
 
 
+def bench_workload(num_prompts: int = NUM_PROMPTS):
+    """The workload the bench commands below run (their flags' lengths, the default seed)."""
+    return make_workload(num_prompts, LengthRange(3, 24), LengthRange(2, 9), vocab_size=512, seed=0, temperature=0.6)
+
+
 def expected_output_tokens(num_prompts: int = NUM_PROMPTS) -> int:
-    workload = make_workload(num_prompts, LengthRange(3, 24), LengthRange(2, 9), vocab_size=512, seed=0,
-                             temperature=0.6)
-    return workload.total_output_tokens
+    return bench_workload(num_prompts).total_output_tokens
 
 
 def test_offline_runs_every_peer_with_consistent_counts(model_dir, tmp_path, capsys):
@@ -179,6 +182,13 @@ def test_serve_starts_its_own_service_and_compares_with_offline(model_dir, tmp_p
     serve_row = next(line for line in out.splitlines() if line.startswith("pagedq serve"))
     assert "6/6" in serve_row and str(total) in serve_row
     assert f"serve / offline output throughput: {record['serve_over_offline']:.2f}x" in out
+    # Each engine's steps of the timed run alone (not the warm-up's): a sequence takes a step
+    # per token, and these short prompts put a sampled token in every step.
+    longest = max(bench_workload(6).output_lens)
+    for run in (serve, offline):
+        assert longest <= run["engine_steps"] <= total
+    assert f"engine steps of the timed run: serve {serve['engine_steps']} (" in out
+    assert f", offline {offline['engine_steps']} (" in out
 
 
 @pytest.mark.parametrize("pace", [[], ["--request-rate", "200"]])

@@ -25,6 +25,8 @@ class PagedqPeer:
         self.engine_options = engine_options or {}
         # With `breakdown`, each pass's per-step phases (pagedq.core.step_timings summaries).
         self.breakdowns: list[dict] | None = [] if breakdown else None
+        # The engine steps of the last generate().
+        self.last_steps: int | None = None
         self._llm = None
 
     def setup(self, workload: Workload) -> None:
@@ -52,7 +54,9 @@ class PagedqPeer:
 
             timings = StepTimings()
             self._llm.llm_engine.set_step_timings(timings)
+        steps_before = self._llm.llm_engine.stats()["steps"]
         outputs = self._llm.generate(prompts, params, use_tqdm=progress)
+        self.last_steps = self._llm.llm_engine.stats()["steps"] - steps_before
         if timings is not None:
             self._llm.llm_engine.set_step_timings(None)
             self.breakdowns.append({"decode": timings.summary(), "all": timings.summary(decode_only=False)})

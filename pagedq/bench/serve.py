@@ -17,6 +17,7 @@ import random
 import ssl
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -188,26 +189,49 @@ def _child_pids(pid: int) -> list[int]:
 
 def measure_service(
     base_url: str, api_key: str | None, workload: Workload, args: argparse.Namespace,
-    processes: dict[str, list[int]] | None = None,
+    processes: dict[str, list[int]] | None = None, engine_steps: Callable[[], int] | None = None,
 ) -> dict:
     """Warm the service up (not timed), then run the workload; latency.summarize()'s dict,
     with `cpu_s`: the CPU seconds each of `processes` (name: its pids, summed) and this
     client spent on the timed run (CPU time, unlike wall time, does not depend on what else
-    the machine runs)."""
+    the machine runs); with `engine_steps` (the steps the service's engines have run so
+    far), `engine_steps`: those of the timed run."""
     stream = getattr(args, "stream", True)
     warmup, _ = asyncio.run(_run_load(base_url, api_key, workload.head(WARMUP_REQUESTS, WARMUP_OUTPUT_LEN), None, None, stream))
     failed = [t.error for t in warmup if not t.ok]
     if failed:
         raise CommandError(f"the service at {base_url} failed a warm-up request: {failed[0]}")
     processes = processes or {}
+    steps_before = engine_steps() if engine_steps else None
     cpu_before = {name: _cpu_seconds(pids) for name, pids in processes.items()}
     client_before = time.process_time()
     timings, duration = asyncio.run(_run_load(base_url, api_key, workload, args.concurrency, args.request_rate, stream))
     summary = summarize(timings, duration)
     summary["cpu_s"] = {name: _cpu_seconds(pids) - cpu_before[name] for name, pids in processes.items() if cpu_before[name] is not None}
     summary["cpu_s"]["client"] = time.process_time() - client_before
+    if engine_steps:
+        summary["engine_steps"] = engine_steps() - steps_before
     summary["errors"] = sorted({t.error for t in timings if t.error})
     return summary
+
+
+def _engine_steps_reader(settings) -> Callable[[], int]:
+    """The steps the engines of the service's live workers have run so far, from the stats
+    each worker writes with every round trip (as GET /ready shows them): the stats of the
+    round trip that wrote a job's result are those of the step that finished it, so read
+    once every result is in, they count every step of the run."""
+    from rq import Queue
+
+    from pagedq.live_workers import live_workers
+    from pagedq.redis_connection import connect
+
+    connection = connect(settings.redis_url)
+    queue = Queue(settings.queue_name, connection=connection)
+
+    def steps() -> int:
+        return sum((worker["engine"] or {}).get("steps", 0) for worker in live_workers(connection, queue))
+
+    return steps
 
 
 # ---- the run ------------------------------------------------------------------------
@@ -248,7 +272,8 @@ def _serve(args: argparse.Namespace, workload: Workload) -> tuple[dict, str]:
             if service.redis_server is not None and service.redis_server.process is not None:
                 processes["redis"] = [service.redis_server.process.pid]
             try:
-                summary = measure_service(service.settings.base_url, None, workload, args, processes)
+                summary = measure_service(service.settings.base_url, None, workload, args, processes,
+                                          _engine_steps_reader(service.settings))
             finally:
                 service.stop()
     api_workers = service.settings.api_workers
@@ -280,6 +305,18 @@ def serve_table(serve: dict, offline: dict | None) -> str:
     return format_table(header, rows) + "\n(latencies in ms)"
 
 
+def engine_steps_line(serve: dict, offline: dict | None) -> str:
+    """The steps each engine took for the same tokens: the service's engine takes more when
+    its batches run less full (jobs reach it as the front accepts and starts them)."""
+    def steps(run: dict) -> str:
+        return f"{run['engine_steps']} ({run['output_tokens'] / max(run['engine_steps'], 1):.1f} output tokens a step)"
+
+    line = f"engine steps of the timed run: serve {steps(serve)}"
+    if offline is not None and offline.get("engine_steps") is not None:
+        line += f", offline {steps(offline)}"
+    return line
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -304,8 +341,10 @@ def run(args: argparse.Namespace) -> int:
         threads = torch_threads(_own_service_settings(args, workload, Path()), device)
         if threads is not None:
             set_torch_threads(threads)
-        offline = measure(PagedqPeer(args.model, device, dtype, args.seed), workload, device, progress=False).summary()
+        peer = PagedqPeer(args.model, device, dtype, args.seed)
+        offline = measure(peer, workload, device, progress=False).summary()
         offline["torch_threads"] = torch.get_num_threads()
+        offline["engine_steps"] = peer.last_steps
 
     print()
     print(serve_table(serve, offline))
@@ -321,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"; offline {offline['cpu_seconds']:.1f}; service (worker, its engine core, api, redis) / offline: "
                   f"{service_cpu / offline['cpu_seconds']:.2f}x", end="")
         print()
+    if "engine_steps" in serve:
+        print(engine_steps_line(serve, offline))
     if serve["tokens_per_event"] is not None:
         api_cost = (f"; api CPU per output token {serve['cpu_s']['api'] / serve['output_tokens'] * 1e6:.0f} us"
                     if "api" in serve["cpu_s"] else "")
