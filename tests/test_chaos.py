@@ -1,6 +1,6 @@
-"""`pagedq bench chaos` for two minutes, a fault every 15 s (every kind at least once):
+"""`pagedq bench chaos` for ninety seconds, a fault every 12 s (every kind at least once):
 no job lost, duplicated or stuck, no 5xx but 503/504, every result the offline engine's.
-Run as the CLI runs it, in a process of its own, about three minutes in all on 2 cores.
+Run as the CLI runs it, in a process of its own, about two minutes in all on 2 cores.
 The checks themselves are shown to fail on records that break each invariant."""
 
 from __future__ import annotations
