@@ -22,7 +22,7 @@ from pagedq.live_workers import live_workers
 from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
 from pagedq.redis_connection import passing_redis_trouble
-from pagedq.redis_schema import READY_PROBE_KEY, READY_PROBE_TTL_S, TERMINAL
+from pagedq.redis_schema import READY_PROBE_KEY, READY_PROBE_TTL_S
 
 _IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
 # Who calls (api.auth.ANYONE with auth off); module-level so FastAPI can resolve the annotation.
@@ -86,8 +86,8 @@ async def result(
     _check_seq_id(seq_id)
     store: JobStore = request.app.state.store
     streams: StreamReader = request.app.state.streams
-    if wait > 0 and (await streams.visible_state(seq_id, caller)) not in (None, *TERMINAL):
-        await streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s))
+    if wait > 0:
+        await streams.wait_until_done(seq_id, min(wait, request.app.state.settings.max_wait_s), caller)
     stored = await store.read(request.app.state.round_trip, seq_id, caller)
     if stored is None:
         raise ApiError(404, f"no job {seq_id!r}")

@@ -3,7 +3,8 @@
 A job's stream is written by whichever worker runs it, so any api replica can relay it,
 and an SSE client resumes with Last-Event-ID (a stream entry id). A job can end without
 an "end" entry (a worker died, RQ failed it, a plain `rq worker` ran it), so every quiet
-`poll_s` the job's status is checked too: by the hub, for every quiet stream and waiter at
+`poll_s` the job's status is checked too (a long-poll waiter's at intervals growing from
+`poll_s` to `end_check_max_s`): by the hub, for every quiet stream and waiter at
 once in one pipeline (a status read of its own per stream, and a timer per wait, were a
 tenth of the api's CPU with a few hundred streams open).
 
@@ -36,7 +37,7 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError, ResponseError
 from rq.job import Job
 
-from api.auth import Caller
+from api.auth import ANYONE, Caller
 from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import SSE_ERROR_EVENT, STREAM_RETRY_AFTER_S
 from pagedq.redis_connection import passing_redis_trouble
@@ -63,6 +64,11 @@ log = logging.getLogger("pagedq.api")
 _READ_COUNT = 512
 # A stream that had entries this recently is in every read (see StreamHub._hot).
 _HOT_S = 2.0
+# The longest interval between the status checks of a long-poll waiter's job: the checks
+# only catch a job that ends without an end written (its end wakes the waiter at once), so
+# they back off from quiet_s to this; every 0.5 s, a few hundred waiting polls' checks were
+# ~7% of the api's CPU.
+_END_CHECK_MAX_S = 2.0
 # How often a stream tries again while Redis is in trouble.
 _OUTAGE_RETRY_S = 0.5
 
@@ -112,14 +118,16 @@ class _Follower:
 
 
 class StreamHub:
-    def __init__(self, connection: AsyncRedis, block_s: float = 1.0, quiet_s: float | None = None):
+    def __init__(self, connection: AsyncRedis, block_s: float = 1.0, quiet_s: float | None = None,
+                 end_check_max_s: float = _END_CHECK_MAX_S):
         """`quiet_s`: a follower given nothing for this long gets a Quiet tick, and an end
-        waiter's job whose status is terminal (or gone) is woken, checked this often (None:
-        neither; the caller looks for itself)."""
+        waiter's job whose status is terminal (or gone) is woken, checked after quiet_s, then
+        at intervals doubling up to `end_check_max_s` (None: neither; the caller looks for itself)."""
         self.connection = connection
         self.block_s = block_s
         self.block_ms = int(block_s * 1000)
         self.quiet_s = quiet_s
+        self.end_check_max_s = end_check_max_s if quiet_s is None else max(quiet_s, end_check_max_s)
         # XADDed to when a follower joins, so the blocked XREAD returns and takes it in. The
         # hub reads it from the last wake it saw, not from "$": a wake written while a read
         # was being sent (that read's streams built before the follower joined) would come
@@ -140,8 +148,10 @@ class StreamHub:
         self._sweep_at = 0.0
         # Long-poll waiters by job, and where the hub is in ENDED_KEY (None: not following it).
         self._enders: dict[str, set[asyncio.Event]] = {}
-        # When each end waiter's job is next checked (monotonic), with quiet_s.
+        # When each end waiter's job is next checked (monotonic), with quiet_s, and the
+        # interval after that check (doubling from quiet_s to end_check_max_s).
         self._check_at: dict[str, float] = {}
+        self._check_every: dict[str, float] = {}
         self._ended_cursor: str | None = None
         self._task: asyncio.Task | None = None
 
@@ -172,6 +182,7 @@ class StreamHub:
         self._enders.setdefault(seq_id, set()).add(ended)
         if self.quiet_s is not None:
             self._check_at.setdefault(seq_id, time.monotonic() + self.quiet_s)
+            self._check_every.setdefault(seq_id, self.quiet_s)
         try:
             if self._ended_cursor is None:
                 last = await self.connection.xrevrange(ENDED_KEY, count=1)
@@ -189,6 +200,7 @@ class StreamHub:
             if not enders:
                 self._enders.pop(seq_id, None)
                 self._check_at.pop(seq_id, None)
+                self._check_every.pop(seq_id, None)
 
     def _start(self) -> bool:
         """Start the hub unless it is running; whether it was started."""
@@ -270,7 +282,8 @@ class StreamHub:
             follower.batches.put_nowait(Quiet(states[follower.seq_id]))
         for seq_id in due:
             if seq_id in self._check_at:
-                self._check_at[seq_id] = now + self.quiet_s
+                every = self._check_every[seq_id] = min(2 * self._check_every[seq_id], self.end_check_max_s)
+                self._check_at[seq_id] = now + every
             if states[seq_id] is None or states[seq_id] in TERMINAL:
                 for waiter in self._enders.get(seq_id, ()):
                     waiter.set()
@@ -393,13 +406,13 @@ class StreamHub:
 
 class StreamReader:
     def __init__(self, connection: AsyncRedis, round_trip: SharedRoundTrip, poll_s: float = 0.5,
-                 outage_grace_s: float = 30.0):
+                 outage_grace_s: float = 30.0, end_check_max_s: float = _END_CHECK_MAX_S):
         """`connection`: the hub's (its blocking XREAD); `round_trip`: the job status reads'."""
         self.connection = connection
         self.round_trip = round_trip
         # How long a stream waits out Redis trouble before it gives up (see relay()).
         self.outage_grace_s = outage_grace_s
-        self.hub = StreamHub(connection, quiet_s=poll_s)
+        self.hub = StreamHub(connection, quiet_s=poll_s, end_check_max_s=end_check_max_s)
 
     async def visible_state(self, seq_id: str, caller: Caller) -> JobState | None:
         """The job's state, None when there is no such job or it is another tenant's."""
@@ -487,12 +500,15 @@ class StreamReader:
                 if events and events[-1][0] == "end":
                     return
 
-    async def wait_until_done(self, seq_id: str, timeout_s: float) -> None:
+    async def wait_until_done(self, seq_id: str, timeout_s: float, caller: Caller = ANYONE) -> None:
         """Return when the job is terminal or `timeout_s` has passed: woken by its end, or
-        by the hub's status check every `poll_s` for a job that ends without one."""
+        by the hub's status checks (after `poll_s`, then at intervals doubling up to
+        `end_check_max_s`) for a job that ends without one. At once for a job that is not
+        there or not `caller`'s (its status, read once after the wait is set up, says which:
+        an end written before then is seen by that read, one after it wakes the wait)."""
         deadline = time.monotonic() + timeout_s
         async with self.hub.until_end(seq_id) as ended:
-            state = await self.state(seq_id)
+            state = await self.visible_state(seq_id, caller)
             if state is None or state in TERMINAL:
                 return
             try:

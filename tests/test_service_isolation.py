@@ -427,6 +427,46 @@ def test_a_long_poll_wakes_on_its_own_jobs_end_and_finds_an_end_without_one_by_s
     assert woken["poll-c"] < woken["poll-c ended"]
 
 
+def test_a_long_polls_status_checks_back_off_to_a_cap(tmp_path):
+    """A waiting long poll's job is checked for an end with no "end" written after poll_s,
+    then at intervals doubling up to end_check_max_s: a few reads over a long wait, not one
+    every poll_s (a few hundred waiting polls' checks were ~7% of the api's CPU), and a job
+    that ends with no "end" written long into the wait is still found within the cap."""
+    server = RedisServer(tmp_path).start()
+    sync = Redis.from_url(server.url)
+
+    def status_reads() -> int:
+        return sync.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)
+
+    async def run() -> tuple[int, float]:
+        connection = AsyncRedis.from_url(server.url)
+        reader = StreamReader(connection, SharedRoundTrip(connection), poll_s=0.05, end_check_max_s=0.5)
+        try:
+            waiter = asyncio.create_task(reader.wait_until_done("long", 60))
+            # Checks due 0.05, 0.15, 0.35 s into the wait, then every 0.5 s (0.75, 1.25, ...).
+            await asyncio.sleep(0.5)
+            before = status_reads()
+            await asyncio.sleep(3.0)
+            reads = status_reads() - before
+            sync.hset(Job.key_for("long"), "status", "finished")  # and no "end" written
+            ended = time.monotonic()
+            await asyncio.wait_for(waiter, 10)
+            return reads, time.monotonic() - ended
+        finally:
+            await reader.hub.close()
+            await connection.aclose()
+
+    try:
+        sync.hset(Job.key_for("long"), mapping={"status": "started"})
+        reads, woken_after = asyncio.run(run())
+    finally:
+        server.stop()
+    # Six checks in those 3 s at the cap; sixty at every poll_s; three doubling without a cap.
+    assert 4 <= reads <= 10, reads
+    # Without the cap the next check would come ~2.9 s after the end.
+    assert woken_after < 1.5, woken_after
+
+
 # ---- item 4: 500s that were the client's input ---------------------------------------------------
 
 
