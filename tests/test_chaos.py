@@ -8,20 +8,24 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from redis import Redis
 
 from pagedq.chaos.checks import JobRecord, check_idempotency, check_jobs, check_texts, keys_without_ttl
-from pagedq.chaos.faults import FAULT_KINDS
+from pagedq.chaos.faults import FAULT_KINDS, Fault, FaultInjector
 from pagedq.chaos.ledger import Ledger
+from pagedq.chaos.load import LoadWindow
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import REPO
 
 
 @pytest.mark.slow
 def test_a_ninety_second_soak_under_faults_finds_no_violation(tiny_model_dir, tmp_path):
-    # Seven faults, every kind at least once; the long soaks are `pagedq bench chaos`'s
+    # Seven faults on a fast machine; every kind at least once on any (the load goes on past
+    # its ninety seconds until each kind has had its turn); the long soaks are `pagedq bench chaos`'s
     # (bench/results/2026-11-26-chaos-30min.md), this one keeps the suite inside its budget.
     report_path = tmp_path / "report.json"
     command = [sys.executable, "-m", "pagedq.cli", "bench", "chaos", "--model", str(tiny_model_dir()), "--minutes", "1.5",
@@ -34,6 +38,39 @@ def test_a_ninety_second_soak_under_faults_finds_no_violation(tiny_model_dir, tm
     assert report["jobs"]["accepted"] > 100 and report["jobs"]["checked_against_offline"] > 100
     assert report["violations"] == [], finished.stdout[-6000:]
     assert finished.returncode == 0
+
+
+def test_the_load_goes_on_until_every_kind_of_fault_has_been_injected():
+    """A soak whose minutes end before a full round of faults (slow recoveries, a slow
+    machine) is extended: every kind is injected once, each while the load still runs, and
+    no fault comes after the round."""
+    window = LoadWindow(time.monotonic() + 0.1, grace_s=0.0)
+    planned_until = window.load_until
+    injected_while_loading: list[bool] = []
+
+    class SlowRecoveries(FaultInjector):
+        def restart_exited(self) -> bool:
+            return False
+
+        def inject(self, kind: str) -> None:
+            self.faults.append(Fault(kind, "", 0.0, ""))
+            injected_while_loading.append(time.monotonic() < window.load_until)
+            time.sleep(0.2)
+
+    injector = SlowRecoveries(cluster=None, ledger=Ledger(), every_s=0.05, seed=1)
+    stop = threading.Event()
+    watcher = threading.Thread(target=injector.run, args=(window, stop), daemon=True)
+    watcher.start()
+    deadline = time.monotonic() + 30
+    while injector.kinds_left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # past the extended window: nothing more is injected
+    stop.set()
+    watcher.join(5)
+
+    assert injector.counts() == {kind: 1 for kind in FAULT_KINDS}
+    assert injected_while_loading == [True] * len(FAULT_KINDS)
+    assert window.load_until > planned_until + 1.0
 
 
 def job(seq_id: str, state: str, results: int, text: str = "", stream_ends: int = 1, error: str | None = None) -> JobRecord:

@@ -26,6 +26,7 @@ import random
 import threading
 import time
 from contextlib import closing
+from dataclasses import dataclass
 
 import httpx
 
@@ -52,6 +53,20 @@ _WORDS = ("the quick brown fox jumps over a lazy dog while seven curious cats co
           "and rain falls softly on old stone bridges near the quiet river").split()
 
 
+@dataclass
+class LoadWindow:
+    """When the load stops (monotonic): new scenarios start until `load_until`, those under
+    way are dropped `grace_s` later. The soak's fault injector may move it later, so the
+    load runs through every kind of fault however long the recoveries take."""
+
+    load_until: float
+    grace_s: float
+
+    @property
+    def give_up_at(self) -> float:
+        return self.load_until + self.grace_s
+
+
 def _retry_after(response: httpx.Response) -> float:
     try:
         return min(float(response.headers.get("retry-after", _RETRY_S)), _MAX_RETRY_AFTER_S)
@@ -62,21 +77,22 @@ def _retry_after(response: httpx.Response) -> float:
 class LoadClient:
     """One client thread: its own connections, random stream and Idempotency-Keys."""
 
-    def __init__(self, index: int, api_urls: list[str], ledger: Ledger, model_id: str, seed: int, give_up_at: float):
+    def __init__(self, index: int, api_urls: list[str], ledger: Ledger, model_id: str, seed: int, window: LoadWindow):
         self.ledger = ledger
         self.model_id = model_id
         self.rng = random.Random(f"{seed}-{index}")
         # Unique within the soak (each soak has a Redis of its own).
         self._keys = (f"chaos-{index}-{n}" for n in itertools.count())
         self._urls = itertools.cycle(api_urls[index % len(api_urls):] + api_urls[:index % len(api_urls)])
-        # Whatever a job's state, the client stops following it at this monotonic time.
-        self.give_up_at = give_up_at
+        # Whatever a job's state, the client stops following it at the window's give_up_at.
+        self.window = window
         self.http = httpx.Client(timeout=_TIMEOUT)
 
-    def run_until(self, load_until: float) -> None:
+    def run(self) -> None:
+        """Scenarios one after another until the window's load_until."""
         scenarios, weights = zip(*SCENARIO_WEIGHTS.items())
         try:
-            while time.monotonic() < load_until:
+            while time.monotonic() < self.window.load_until:
                 scenario = self.rng.choices(scenarios, weights)[0]
                 self.ledger.scenario_ran(scenario)
                 try:
@@ -94,7 +110,7 @@ class LoadClient:
         gives it; None when none came by `until` or within the request's patience. Every
         answer is recorded. A streamed response is returned open: the caller closes it."""
         patience_until = time.monotonic() + _REQUEST_PATIENCE_S
-        until = min(until or patience_until, patience_until, self.give_up_at)
+        until = min(until or patience_until, patience_until, self.window.give_up_at)
         while True:
             try:
                 response = self.http.send(self.http.build_request(method, next(self._urls) + path, **kwargs), stream=stream)
@@ -125,7 +141,7 @@ class LoadClient:
         return response.status_code == expected
 
     def _follow_deadline(self) -> float:
-        return min(time.monotonic() + _FOLLOW_S, self.give_up_at)
+        return min(time.monotonic() + _FOLLOW_S, self.window.give_up_at)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -308,7 +324,7 @@ class LoadClient:
                 break
             time.sleep(_BATCH_POLL_S)
         if batch is None or batch["status"] not in BATCH_TERMINAL:
-            if self.give_up_at > time.monotonic():
+            if self.window.give_up_at > time.monotonic():
                 self.ledger.violation("batch", f"{batch_id} still {batch and batch['status']} after {_FOLLOW_S:.0f}s")
             return
         if batch["status"] != "completed" or batch["request_counts"] != {"total": total, "completed": total, "failed": 0}:
@@ -337,17 +353,18 @@ class LoadGenerator:
         self.clients = clients
         self._threads: list[threading.Thread] = []
 
-    def start(self, load_until: float, give_up_at: float) -> None:
-        """New scenarios start until `load_until`; those under way are dropped at `give_up_at`."""
+    def start(self, window: LoadWindow) -> None:
+        """New scenarios start until the window's load_until; those under way are dropped at its give_up_at."""
         for index in range(self.clients):
-            client = LoadClient(index, self.api_urls, self.ledger, self.model_id, self.seed, give_up_at)
-            thread = threading.Thread(target=client.run_until, args=(load_until,), name=f"chaos-client-{index}", daemon=True)
+            client = LoadClient(index, self.api_urls, self.ledger, self.model_id, self.seed, window)
+            thread = threading.Thread(target=client.run, name=f"chaos-client-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def join(self, timeout_s: float) -> int:
-        """Wait for the clients; how many are still running after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
+    def join(self, window: LoadWindow, slack_s: float) -> int:
+        """Wait for the clients until `slack_s` past the window's give_up_at (which may move
+        meanwhile); how many are still running then."""
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            while thread.is_alive() and time.monotonic() < window.give_up_at + slack_s:
+                thread.join(1.0)
         return sum(thread.is_alive() for thread in self._threads)
