@@ -11,11 +11,12 @@ tenth of the api's CPU with a few hundred streams open).
 One `StreamHub` per api process follows every stream its clients wait on with a single
 blocking XREAD: an XREAD per client would cost a Redis round trip per token per client,
 which at a few thousand tokens a second costs the api more CPU than the engine's steps.
-That read takes only the streams with news, so its cost follows them, not every stream
-followed (hundreds of queued jobs' streams are followed and quiet): it blocks on the
-streams that had entries lately and on the announcements of stream writes
-(redis_schema.WRITTEN_KEY), and reads the other streams announced at once. Every stream
-followed is read each `block_s` too, so a write never announced is relayed all the same.
+It blocks on the announcements of stream writes (redis_schema.WRITTEN_KEY) alone: an
+engine step's deltas come inside their announcement and go from there to the followers
+they continue, so a running job's stream is not read at all; a stream announced without its
+entries (a reset, an end, a cancel), one whose follower is behind what was announced, and a
+newly followed one are read at once, from their followers' cursors. Every stream followed
+is read each `block_s` too, so a write never announced is relayed all the same.
 Long-poll waiters need only their jobs' ends, so the hub follows the one stream of every
 job's end (redis_schema.ENDED_KEY) for them, not their jobs' tokens.
 """
@@ -48,8 +49,10 @@ from pagedq.redis_schema import (
     Entry,
     Event,
     JobState,
+    announced_entries,
     api_wake_key,
     decode_entries,
+    entry_fields,
     job_state,
     owner_of,
     read_events,
@@ -62,8 +65,6 @@ _MAX_ID_PART = 2**64 - 1
 log = logging.getLogger("pagedq.api")
 # Entries one read takes of each stream at most.
 _READ_COUNT = 512
-# A stream that had entries this recently is in every read (see StreamHub._hot).
-_HOT_S = 2.0
 # The longest interval between the status checks of a long-poll waiter's job: the checks
 # only catch a job that ends without an end written (its end wakes the waiter at once), so
 # they back off from quiet_s to this; every 0.5 s, a few hundred waiting polls' checks were
@@ -138,11 +139,9 @@ class StreamHub:
         # are in the next read anyway (a burst of streams opening sends one wake, not one each).
         self._wake_pending = False
         self._followers: dict[str, set[_Follower]] = {}
-        # Followed streams to read next: announced written, or just followed.
+        # Followed streams to read next: announced written (without their entries, or
+        # ahead of a follower), or just followed.
         self._news: set[str] = set()
-        # Followed streams that had entries lately, by when they last did (monotonic): every
-        # read includes them, so a write to one returns the blocked read itself.
-        self._hot: dict[str, float] = {}
         # Where the hub is in WRITTEN_KEY, and when it next reads every stream it follows (monotonic).
         self._written_cursor = "0-0"
         self._sweep_at = 0.0
@@ -290,33 +289,48 @@ class StreamHub:
 
     def _to_read(self) -> tuple[dict[str, str], bool]:
         """The followed streams to read now, with the cursor to read each from, and whether
-        the read must return at once: those with news (announced written since the last
-        read, or just followed), those that had entries lately (blocked on), and, each
-        `block_s`, every one (a write never announced is read then)."""
+        the read must return at once: those with news (see _news) and, each `block_s`, every
+        one (a write never announced is read then)."""
         news, self._news = self._news, set()
         now = time.monotonic()
         if now >= self._sweep_at:
             news = set(self._followers)
             self._sweep_at = now + self.block_s
-        for key, at in list(self._hot.items()):
-            if now - at > _HOT_S or key not in self._followers:
-                del self._hot[key]
         news.intersection_update(self._followers)
-        cursors = {key: _earliest_cursor(self._followers[key]) for key in news.union(self._hot)}
+        cursors = {key: _earliest_cursor(self._followers[key]) for key in news}
         return cursors, bool(news)
 
     def _take_announcements(self, raw_entries: list) -> None:
-        """WRITTEN_KEY's new entries: the streams followed here among those written have
-        news, to read at once, unless they are hot: the next read includes those anyway
-        (kept hot for it), and returns at once if they hold entries it has not read."""
+        """WRITTEN_KEY's new entries. An entry they carry goes to each follower of its stream
+        whose cursor is at the entry before it (or between that and it: a resume from an id
+        the stream never had); a follower further behind has entries to read first, so its
+        stream is read at once (and the entry comes with them), as is a stream announced
+        without its entries."""
         self._written_cursor = raw_entries[-1][0].decode()
-        now = time.monotonic()
+        fed: dict[_Follower, list[Entry]] = {}
         for _, fields in raw_entries:
-            for key in fields.get(b"keys", b"").decode().split():
-                if key in self._hot:
-                    self._hot[key] = now
-                elif key in self._followers:
-                    self._news.add(key)
+            carried = announced_entries(fields)
+            if not carried:
+                self._news.update(key for key in fields.get(b"keys", b"").decode().split() if key in self._followers)
+            for key, before, entry_id, flat_fields in carried:
+                followers = self._followers.get(key)
+                if not followers:
+                    continue  # another api process's client's
+                entry = (entry_id, entry_fields(flat_fields))
+                for follower in followers:
+                    if follower.cursor != before:
+                        cursor = _entry_id(follower.cursor)
+                        if cursor < _entry_id(before):
+                            self._news.add(key)
+                            continue
+                        if cursor >= _entry_id(entry_id):
+                            continue  # relayed already, from a read of the stream
+                    fed.setdefault(follower, []).append(entry)
+                    follower.cursor = entry_id
+        now = time.monotonic()
+        for follower, entries in fed.items():
+            follower.fed_at = now
+            follower.batches.put_nowait(entries)
 
     async def _run(self) -> None:
         try:
@@ -334,9 +348,8 @@ class StreamHub:
                 self._wake_pending = False
                 # Followers joining during the read fall due later than those before it.
                 due = self._quiet_due()
-                # Streams with news: at once. Else blocked until a write to a stream that had
-                # entries lately, an announcement, an end, a wake, or a quiet check or the
-                # next read of every stream falls due.
+                # Streams with news: at once. Else blocked until an announcement, an end, a
+                # wake, or a quiet check or the next read of every stream falls due.
                 block = None if at_once else self._block_ms(min(due, self._sweep_at))
                 try:
                     reply = await self.connection.xread({**cursors, **control}, count=_READ_COUNT, block=block)
@@ -364,7 +377,6 @@ class StreamHub:
                         self._news.add(key)  # more than one read's worth: the rest next
                     entries = decode_entries(raw_entries)
                     now = time.monotonic()
-                    self._hot[key] = now
                     read_from = cursors[key]
                     for follower in self._followers.get(key, ()):
                         if follower.cursor == read_from:
@@ -383,7 +395,7 @@ class StreamHub:
                             follower.cursor = new[-1][0]
                             follower.fed_at = now
                             follower.batches.put_nowait(new)
-                # After the streams' entries: a stream this read returned is hot now.
+                # After the streams' entries, which may have taken followers past announced ones.
                 if announcements:
                     self._take_announcements(announcements)
                 if time.monotonic() >= due:

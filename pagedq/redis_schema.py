@@ -161,14 +161,26 @@ ENDED_MAXLEN = 10_000
 # (one entry per script call that wrote, and one per event appended by _append_event), so the api's hub reads only the
 # streams that have news instead of every stream it follows on every read (a read's cost
 # grows with its keys: 1.9 ms of the api's CPU for 512 streams, 0.6 ms for the 57 with news).
-# Trimmed to about WRITTEN_MAXLEN entries: a hub further behind reads every stream it
+# An engine step's deltas (PUBLISH_STEP_SCRIPT) are announced with the entries themselves,
+# "entries": the JSON list of [stream key, the stream's entry before it, entry id, [field,
+# value, ...]], so the hub relays them from this one stream without reading the jobs'
+# streams: an XREAD of a few hundred streams seeks into each (Redis spent ~1.2 ms a read, a
+# third of its CPU under streaming clients, and the api parsed every stream's reply).
+# Trimmed to about WRITTEN_MAXLEN entries (with the deltas, the last few seconds of every
+# stream's text: ~10 MB at 1,000 steps of 256 jobs): a hub further behind reads every stream it
 # follows each second anyway (api.streaming.StreamHub), so nothing is lost, only later.
 WRITTEN_KEY = "pagedq:streams-written"
 WRITTEN_MAXLEN = 1_000
-# announce(written key, space-separated stream keys) in a script that writes streams.
+# announce(written key, space-separated stream keys[, entries]) in a script that writes
+# streams; `entries`: a Lua list of {stream key, the entry before, entry id, fields}.
 ANNOUNCE_LUA = f"""
-local function announce(written_key, stream_keys)
-    redis.call('XADD', written_key, 'MAXLEN', '~', {WRITTEN_MAXLEN}, '*', 'keys', stream_keys)
+local function announce(written_key, stream_keys, entries)
+    if entries then
+        redis.call('XADD', written_key, 'MAXLEN', '~', {WRITTEN_MAXLEN}, '*', 'keys', stream_keys,
+                   'entries', cjson.encode(entries))
+    else
+        redis.call('XADD', written_key, 'MAXLEN', '~', {WRITTEN_MAXLEN}, '*', 'keys', stream_keys)
+    end
 end
 """
 
@@ -225,8 +237,8 @@ def record_execution(pipeline: Pipeline, job: Job, composite_key: str) -> None:
 # small model the worker's Redis traffic would otherwise cost as much as the step itself.
 # A job's stream is also its partial result (read_partial): each token travels once, in
 # the delta that carries it, and nothing is rewritten as the job grows.
-# KEYS: per job, its hash and its stream, then WRITTEN_KEY (the streams written are
-# announced there, in one entry). ARGV: the stream TTL, then per job: its
+# KEYS: per job, its hash and its stream, then WRITTEN_KEY (the streams written and the
+# entries written to them are announced there, in one entry). ARGV: the stream TTL, then per job: its
 # execution's composite key (owns() above), its number of deltas (a job with n > 1 outputs
 # has one per output) and DELTA_ARGS per delta: (index, text, num_tokens, new, logprobs,
 # check, ids, first_token). `ids`: the delta's token ids, comma-separated. `logprobs` is ""
@@ -255,7 +267,13 @@ local function tokens_in(stream, index)
         before = '(' .. entries[#entries][1]
     end
 end
-local ttl, at, lost, written = ARGV[1], 2, {{}}, {{}}
+-- The id of the stream's last entry ("0-0": none), which a delta's announcement carries.
+local function last_id(stream)
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    if last[1] then return last[1][1] end
+    return '0-0'
+end
+local ttl, at, lost, written, entries, last_written = ARGV[1], 2, {{}}, {{}}, {{}}, {{}}
 for j = 1, (#KEYS - 1) / 2 do
     local job_key, stream = KEYS[2 * j - 1], KEYS[2 * j]
     local execution, deltas = ARGV[at], tonumber(ARGV[at + 1])
@@ -280,7 +298,10 @@ for j = 1, (#KEYS - 1) / 2 do
                     fields[#fields + 1] = 'first_token'
                     fields[#fields + 1] = ARGV[at + 7]
                 end
-                redis.call('XADD', stream, '*', unpack(fields))
+                if last_written[stream] == nil then last_written[stream] = last_id(stream) end
+                local id = redis.call('XADD', stream, '*', unpack(fields))
+                entries[#entries + 1] = {{stream, last_written[stream], id, fields}}
+                last_written[stream] = id
                 if ARGV[at + 3] == '1' then
                     redis.call('EXPIRE', stream, ttl)
                 end
@@ -290,7 +311,7 @@ for j = 1, (#KEYS - 1) / 2 do
         end
     end
 end
-if #written > 0 then announce(KEYS[#KEYS], table.concat(written, ' ')) end
+if #written > 0 then announce(KEYS[#KEYS], table.concat(written, ' '), entries) end
 return lost
 """
 
@@ -434,6 +455,29 @@ Entry = tuple[str, dict[str, str]]
 def decode_entries(raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
     """Stream entries as redis-py returns them (XRANGE, XREAD's per-stream lists), decoded."""
     return [(entry_id.decode(), {k.decode(): v.decode() for k, v in fields.items()}) for entry_id, fields in raw]
+
+
+class Announced(NamedTuple):
+    """An entry written to a job's stream, as its announcement in WRITTEN_KEY carries it."""
+
+    key: str
+    # The stream's entry before it ("0-0": none): a reader whose cursor is behind this has
+    # entries to read from the stream itself first.
+    before: str
+    entry_id: str
+    # field, value, field, value, ...: entry_fields() makes them the entry's.
+    flat_fields: list[str]
+
+
+def announced_entries(fields: dict[bytes, bytes]) -> list[Announced]:
+    """The stream entries a WRITTEN_KEY announcement carries, oldest first ([]: it names the streams only)."""
+    raw = fields.get(b"entries")
+    return [Announced(*item) for item in json.loads(raw)] if raw else []
+
+
+def entry_fields(flat_fields: list[str]) -> dict[str, str]:
+    return dict(zip(flat_fields[::2], flat_fields[1::2]))
+
 
 # (kind, data, entry id): `delta` {index, text, num_tokens[, logprobs]}, `reset` {attempt}, `end` {status, finish_reason}.
 Event = tuple[str, dict, str | None]

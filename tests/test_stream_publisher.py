@@ -19,7 +19,9 @@ from pagedq.redis_schema import (
     DELTA_ARGS,
     UNFENCED,
     WRITTEN_KEY,
+    announced_entries,
     decode_entries,
+    entry_fields,
     publish_end,
     publish_reset,
     read_events,
@@ -219,6 +221,24 @@ def test_every_write_to_a_stream_is_announced_with_the_streams_it_wrote(redis):
     assert publisher.published(sending, pipeline.execute()[-1]) == ["announce-not-ours"]
     assert [sorted(keys) for keys in announced_since(before)] == [[stream_key("announce-a"), stream_key("announce-b")]]
     assert redis.xlen(stream_key("announce-a")) == 2  # one delta per output, the stream named once
+    # The step's announcement carries the entries as written, each after its stream's entry before.
+    (_, fields), = redis.xrange(WRITTEN_KEY, f"({before.decode()}", "+")
+    carried = announced_entries(fields)
+    for seq_id in ("announce-a", "announce-b"):
+        first, second = _entries(redis, seq_id)
+        assert [(a.before, (a.entry_id, entry_fields(a.flat_fields))) for a in carried if a.key == stream_key(seq_id)] == [
+            ("0-0", first), (first[0], second)]
+    assert len(carried) == 4
+    # A stream with entries already: the first delta of a send follows on from its last entry.
+    request = _Outputs("announce-b", 2, False)
+    request.completions[0].token_ids += [2, 3]
+    publisher.update("announce-b", request.output())
+    before = last_id()
+    publisher.flush()
+    (_, fields), = redis.xrange(WRITTEN_KEY, f"({before.decode()}", "+")
+    b_entries = _entries(redis, "announce-b")
+    assert [(a.key, a.before, (a.entry_id, entry_fields(a.flat_fields))) for a in announced_entries(fields)] == [
+        (stream_key("announce-b"), b_entries[-2][0], b_entries[-1])]
 
     before = last_id()
     with redis.pipeline(transaction=False) as pipeline:
@@ -226,6 +246,75 @@ def test_every_write_to_a_stream_is_announced_with_the_streams_it_wrote(redis):
         publish_end(pipeline, "announce-b", "finished", 600)
         pipeline.execute()
     assert announced_since(before) == [[stream_key("announce-a")], [stream_key("announce-b")]]
+
+
+def test_the_hub_relays_a_steps_deltas_from_their_announcement_and_a_follower_behind_misses_nothing(redis_server, redis):
+    """The api's hub takes the deltas of an engine step from their announcement: a running
+    job's stream is never read, however many steps it publishes (the read of every stream
+    each block_s aside). A follower whose cursor is behind an announced entry (it resumed
+    from an earlier one) gets what lies between from its stream, then the rest, each entry once."""
+    import asyncio
+
+    from redis.asyncio import Redis as AsyncRedis
+
+    from api.streaming import StreamHub
+
+    publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    seq_id = "hub-announced"
+    publisher.track(_job(redis, seq_id))
+    request = _Outputs(seq_id, 1, False)
+    rng = random.Random(7)
+
+    def step() -> None:
+        request.completions[0].token_ids.append(rng.randrange(1000))
+        request.completions[0].text += rng.choice(["x", "y", " z"])
+        publisher.update(seq_id, request.output())
+        publisher.flush()
+
+    async def run() -> tuple[list[str], list[str], list[int]]:
+        connection = AsyncRedis.from_url(redis_server.url)
+        hub = StreamHub(connection, block_s=30)
+        streams_read: list[int] = []
+        xread = connection.xread
+
+        def counting_xread(streams, *args, **kwargs):
+            streams_read.append(sum(key.startswith(stream_key("")) for key in streams))
+            return xread(streams, *args, **kwargs)
+
+        connection.xread = counting_xread
+        try:
+            step()
+            first_id = _entries(redis, seq_id)[0][0]
+            async with hub.follow(seq_id, "0-0") as ahead:
+                texts = [fields["text"] for _, fields in await asyncio.wait_for(ahead.get(), 10)]
+                await asyncio.sleep(0.2)  # the hub is blocked on the announcements
+                streams_read.clear()
+                for _ in range(10):
+                    step()
+                    texts += [fields["text"] for _, fields in await asyncio.wait_for(ahead.get(), 10)]
+                reads_while_streaming = list(streams_read)
+                step()
+                step()
+                # Resumed from the first entry, behind every announcement to come: the next one
+                # makes the hub read its stream from there.
+                async with hub.follow(seq_id, first_id) as behind:
+                    await asyncio.sleep(0.2)
+                    step()
+                    resumed: list[str] = []
+                    while len(resumed) < 13:
+                        resumed += [fields["text"] for _, fields in await asyncio.wait_for(behind.get(), 10)]
+                    await asyncio.sleep(0.2)
+                    assert behind.empty()
+            return texts, resumed, reads_while_streaming
+        finally:
+            await hub.close()
+            await connection.aclose()
+
+    texts, resumed, reads_while_streaming = asyncio.run(run())
+    written = [fields["text"] for _, fields in _entries(redis, seq_id)]
+    assert texts == written[:11]
+    assert resumed == written[1:]
+    assert reads_while_streaming and not any(reads_while_streaming), reads_while_streaming
 
 
 def test_a_delta_sends_what_the_script_reads():
