@@ -1,10 +1,10 @@
 """The api's stream hub's CPU per relayed write, against how many quiet streams it follows.
 
-One busy stream gets WRITES deltas (each written and announced as the worker writes them:
-the delta, then its stream named in redis_schema.WRITTEN_KEY, in one transaction), one at a time, each waited
-for at the follower, while the hub also follows QUIET streams nobody writes to (queued
-jobs' streams, clients waiting). Prints this process's CPU microseconds per relayed write
-(the writer is another process). Run with PYTHONPATH=TREE to measure TREE's hub:
+One busy stream gets WRITES deltas, written as the worker writes them (its ProgressPublisher:
+one script call that writes the delta and announces it in redis_schema.WRITTEN_KEY), one at a
+time, each waited for at the follower, while the hub also follows QUIET streams nobody writes
+to (queued jobs' streams, clients waiting). Prints this process's CPU microseconds per
+relayed write (the writer is another process). Run with PYTHONPATH=TREE to measure TREE's hub:
 
     PYTHONPATH=TREE .venv/bin/python bench/hub_read_cost.py [QUIET ...]
 """
@@ -23,21 +23,23 @@ WRITES = 400
 
 def _writer(url: str, go, done) -> None:
     from redis import Redis
+    from rq.job import Job
 
-    from pagedq import redis_schema
+    from pagedq.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pagedq.redis_schema import JOB_SERIALIZER
+    from worker.rq.publisher import ProgressPublisher
 
-    # Absent from trees older than the announcements: their hub reads every stream anyway.
-    announce_written = getattr(redis_schema, "announce_written", None)
-    busy = redis_schema.stream_key("busy")
     redis = Redis.from_url(url)
+    publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
+    # Never saved: the unfenced writes of flush() need no job hash.
+    publisher.track(Job.create("builtins.print", connection=redis, id="busy", serializer=JOB_SERIALIZER))
+    text, token_ids = "", []
     go.wait()
     for i in range(WRITES):
-        # One transaction, as every writer's (a script or MULTI): the delta and its announcement land together.
-        with redis.pipeline(transaction=True) as pipeline:
-            pipeline.xadd(busy, {"type": "delta", "index": "0", "text": f"t{i}", "num_tokens": str(i + 1)})
-            if announce_written is not None:
-                announce_written(pipeline, [busy])
-            pipeline.execute()
+        text, token_ids = text + f"t{i}", token_ids + [i]
+        completion = CompletionOutput(0, text, list(token_ids), None, None)
+        publisher.update("busy", RequestOutput("busy", None, [1], [completion], False, RequestMetrics(time.time())))
+        publisher.flush()
         done.wait()
         done.clear()
 
