@@ -22,9 +22,24 @@ from rq.suspension import suspend
 # Imported by the tests from here.
 from pagedq.local_service import short_heartbeat_settings as service_settings  # noqa: F401
 from pagedq.reference import offline_greedy, offline_outputs  # noqa: F401
+from pagedq.redis_schema import stream_key
 from pagedq.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def count_stream_reads(connection) -> list[int]:
+    """From now on, each XREAD sent on `connection` appends how many jobs' streams it names
+    (what a stream hub's read costs Redis)."""
+    counts: list[int] = []
+    xread = connection.xread
+
+    def counting_xread(streams, *args, **kwargs):
+        counts.append(sum(key.startswith(stream_key("")) for key in streams))
+        return xread(streams, *args, **kwargs)
+
+    connection.xread = counting_xread
+    return counts
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:

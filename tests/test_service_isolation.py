@@ -40,7 +40,15 @@ from pagedq.redis_schema import (
     stream_key,
 )
 from pagedq.redis_server import RedisServer
-from tests.service_helpers import ApiServer, WorkerProcess, offline_greedy, service_settings, wait_for_worker, wait_until
+from tests.service_helpers import (
+    ApiServer,
+    WorkerProcess,
+    count_stream_reads,
+    offline_greedy,
+    service_settings,
+    wait_for_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 QUEUE = "isolation"
@@ -339,14 +347,7 @@ def test_the_stream_hub_reads_the_streams_announced_written_and_every_stream_eac
     async def run() -> tuple[list[str], list[str], list[int]]:
         connection = AsyncRedis.from_url(redis_server.url)
         hub = StreamHub(connection, block_s=5.0)
-        read_sizes: list[int] = []
-        xread = connection.xread
-
-        def counting_xread(streams, *args, **kwargs):
-            read_sizes.append(sum(key.startswith(stream_key("")) for key in streams))
-            return xread(streams, *args, **kwargs)
-
-        connection.xread = counting_xread
+        read_sizes = count_stream_reads(connection)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 for i in range(100):

@@ -6,14 +6,17 @@ round trip that ran but whose reply never came back was sent again whole."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
 import pytest
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from api.streaming import StreamHub
 from pagedq.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedq.redis_schema import (
     DELTA_ARGS,
@@ -28,6 +31,7 @@ from pagedq.redis_schema import (
     read_partial,
     stream_key,
 )
+from tests.service_helpers import count_stream_reads
 from worker.rq.publisher import Delta, ProgressPublisher
 
 pytestmark = pytest.mark.slow
@@ -253,12 +257,6 @@ def test_the_hub_relays_a_steps_deltas_from_their_announcement_and_a_follower_be
     job's stream is never read, however many steps it publishes (the read of every stream
     each block_s aside). A follower whose cursor is behind an announced entry (it resumed
     from an earlier one) gets what lies between from its stream, then the rest, each entry once."""
-    import asyncio
-
-    from redis.asyncio import Redis as AsyncRedis
-
-    from api.streaming import StreamHub
-
     publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
     seq_id = "hub-announced"
     publisher.track(_job(redis, seq_id))
@@ -274,14 +272,7 @@ def test_the_hub_relays_a_steps_deltas_from_their_announcement_and_a_follower_be
     async def run() -> tuple[list[str], list[str], list[int]]:
         connection = AsyncRedis.from_url(redis_server.url)
         hub = StreamHub(connection, block_s=30)
-        streams_read: list[int] = []
-        xread = connection.xread
-
-        def counting_xread(streams, *args, **kwargs):
-            streams_read.append(sum(key.startswith(stream_key("")) for key in streams))
-            return xread(streams, *args, **kwargs)
-
-        connection.xread = counting_xread
+        streams_read = count_stream_reads(connection)
         try:
             step()
             first_id = _entries(redis, seq_id)[0][0]
