@@ -14,6 +14,7 @@ its job (as vLLM aborts the request), so an impatient client's retries do not pi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -459,64 +460,87 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
     ended: set[str] = set()
     ends: dict[str, dict] = {}
     completion_tokens: dict[str, int] = {}
-    queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
 
-    async def follow(job: _Job) -> None:
+    async def job_texts(job: _Job) -> AsyncIterator[str]:
+        """The job's chunks, then the chunk of how each of its outputs ended."""
+        async for text in _job_chunks(request, job, chunk, translator, chat, ends):
+            yield text
+        end = ends.pop(job.seq_id, {})
+        if end.get("status") == "finished" and "outputs" in end:  # how each output ended: no read of the job
+            ended.add(job.seq_id)
+            outputs, completion_tokens[job.seq_id] = end["outputs"], end["completion_tokens"]
+        else:
+            state, result, failure = await request.app.state.store.outcome(request.app.state.round_trip, job.seq_id)
+            ended.add(job.seq_id)
+            if (invalid := invalid_input(failure)) is not None:
+                raise _StreamError(invalid, "invalid_request", 400)
+            if result is None:
+                raise _StreamError(f"job {job.seq_id} {state}: {failure or 'canceled'}", f"job_{state}")
+            outputs = result.output_ends()
+            completion_tokens[job.seq_id] = result.usage.completion_tokens
+        yield "".join(
+            chunk(job, index, None, num_tokens, None, finish_reason, stop_reason)
+            for index, num_tokens, finish_reason, stop_reason in outputs
+        )
+
+    async def follow(job: _Job, queue: asyncio.Queue[str | Exception | None]) -> None:
         try:
-            async for text in _job_chunks(request, job, chunk, translator, chat, ends):
+            async for text in job_texts(job):
                 await queue.put(text)
-            end = ends.pop(job.seq_id, {})
-            if end.get("status") == "finished" and "outputs" in end:  # how each output ended: no read of the job
-                ended.add(job.seq_id)
-                outputs, completion_tokens[job.seq_id] = end["outputs"], end["completion_tokens"]
-            else:
-                state, result, failure = await request.app.state.store.outcome(request.app.state.round_trip, job.seq_id)
-                ended.add(job.seq_id)
-                if (invalid := invalid_input(failure)) is not None:
-                    raise _StreamError(invalid, "invalid_request", 400)
-                if result is None:
-                    raise _StreamError(f"job {job.seq_id} {state}: {failure or 'canceled'}", f"job_{state}")
-                outputs = result.output_ends()
-                completion_tokens[job.seq_id] = result.usage.completion_tokens
-            await queue.put("".join(
-                chunk(job, index, None, num_tokens, None, finish_reason, stop_reason)
-                for index, num_tokens, finish_reason, stop_reason in outputs
-            ))
             await queue.put(None)
         except Exception as exc:  # ends the response, whatever it is
             await queue.put(exc)
 
-    tasks = []
+    async def items() -> AsyncIterator[str | Exception]:
+        """Every job's chunks as they come (an exception ends them). One job's are read here;
+        a prompt list's jobs are each followed by a task of its own, into one queue (a task
+        and a queue per chunk would cost the single job's stream, the usual one, a task
+        switch per chunk)."""
+        if len(jobs) == 1:
+            try:
+                async for text in job_texts(jobs[0]):
+                    yield text
+            except Exception as exc:
+                yield exc
+            return
+        queue: asyncio.Queue[str | Exception | None] = asyncio.Queue()
+        tasks = [asyncio.create_task(follow(job, queue)) for job in jobs]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
     try:
         roles = "".join(chunk(job, index, "", 0, role=True) for job in jobs for index in range(job.generate.n)) \
             if chat else ""
-        tasks = [asyncio.create_task(follow(job)) for job in jobs]
-        remaining = len(jobs)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, _StreamError):
-                yield error(str(item), item.code, item.status)
-                return
-            elif isinstance(item, Exception):
-                if (trouble := passing_redis_trouble(item)) is None:
-                    raise item
-                # The jobs go on: the client can retry, or read them by their seq_ids.
-                yield error(f"the job store (Redis) {trouble}: the stream cannot go on; retry later",
-                            "redis_unavailable", 503)
-                return
-            else:
-                yield roles + item
-                roles = ""
+        async with contextlib.aclosing(items()) as chunks:
+            async for item in chunks:
+                if isinstance(item, _StreamError):
+                    yield error(str(item), item.code, item.status)
+                    return
+                elif isinstance(item, Exception):
+                    if (trouble := passing_redis_trouble(item)) is None:
+                        raise item
+                    # The jobs go on: the client can retry, or read them by their seq_ids.
+                    yield error(f"the job store (Redis) {trouble}: the stream cannot go on; retry later",
+                                "redis_unavailable", 503)
+                    return
+                else:
+                    yield roles + item
+                    roles = ""
         tail = []
         if include_usage:
             usage = _usage(sum(job.prompt_tokens for job in jobs), sum(completion_tokens.values()))
             tail.append(_sse({**base, "choices": [], "usage": usage}))
         yield "".join(tail) + _sse("[DONE]")
     finally:
-        for task in tasks:
-            task.cancel()
         unfinished = [job.seq_id for job in jobs if job.seq_id not in ended]
         if unfinished:
             _cancel_in_background(request, unfinished)
