@@ -492,10 +492,9 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
             await queue.put(exc)
 
     async def items() -> AsyncIterator[str | Exception]:
-        """Every job's chunks as they come (an exception ends them). One job's are read here;
-        a prompt list's jobs are each followed by a task of its own, into one queue (a task
-        and a queue per chunk would cost the single job's stream, the usual one, a task
-        switch per chunk)."""
+        """Every job's chunks as they come (an exception ends them). A single job's (the
+        usual stream) are read here: a task of its own would cost it a task switch and a
+        queue hop per chunk. A prompt list's jobs are followed by a task each, into one queue."""
         if len(jobs) == 1:
             try:
                 async for text in job_texts(jobs[0]):
