@@ -133,9 +133,10 @@ class JobPayload(ValidInput):
         except ValueError as exc:
             raise InvalidJob(describe_invalid(exc)) from None
 
-    def add_to(self, engine: LLMEngine, request_id: str) -> None:
+    def add_to(self, engine: LLMEngine, request_id: str, report_every_s: float | None = None) -> None:
         """Hand this job to the engine as request `request_id` (the one way a payload becomes an
-        engine request); InvalidJob, naming the field, when the engine refuses it."""
+        engine request; `report_every_s` as LLMEngine.add_request takes it); InvalidJob,
+        naming the field, when the engine refuses it."""
         try:
             engine.add_request(
                 request_id,
@@ -143,6 +144,7 @@ class JobPayload(ValidInput):
                 self.engine_params,
                 arrival_time=self.enqueued_at,
                 priority=self.priority,
+                report_every_s=report_every_s,
             )
         except ValueError as exc:
             raise InvalidJob(str(exc)) from None

@@ -181,7 +181,8 @@ class Settings(BaseSettings):
     # ~15% of the worker's CPU and ~20% of Redis's with polling clients on the tiny model.
     progress_interval_s: float = Field(
         1.0, ge=0, description="Min seconds between the deltas (the partial result) of a job nobody streams "
-        "(JobPayload.stream false: OpenAI calls without stream, batch lines).",
+        "(JobPayload.stream false: OpenAI calls without stream, batch lines); its tokens come from the engine "
+        "core in chunks as often.",
     )
     stream_interval_s: float = Field(
         0.0, ge=0, description="Min seconds between one job's streamed deltas after its first token (0: every engine step)."

@@ -71,6 +71,29 @@ def test_a_core_process_gives_what_the_core_in_process_gives(model):
     assert llm.llm_engine.core._process.poll() is not None
 
 
+def test_each_step_returns_while_a_requests_tokens_wait_for_their_chunk(model):
+    """A request whose tokens come from the core in chunks (report_every_s: the worker's job
+    that nobody streams) has no output between chunks, yet engine.step() returns once a
+    step of the core process has gone by: the service's worker, which takes new jobs and
+    writes results between steps, is never held until the next chunk (an hour away here)."""
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True, async_scheduling=True)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("quiet", {"prompt_token_ids": [9] * 8}, SamplingParams(max_tokens=400, ignore_eos=True),
+                           report_every_s=3600.0)
+        made = []
+        for _ in range(6):
+            assert engine.step(defer_outputs=True) == []
+            made.append(engine.stats()["generation_tokens"])
+        assert engine.has_unfinished_requests() and 0 < made[-1] < 400 and made == sorted(made)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step(defer_outputs=True)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [400]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_core_process_that_dies_is_an_error_not_a_hang(model):
     llm = LLM(model, dtype="float32", device="cpu", core_process=True)
     engine = llm.llm_engine

@@ -85,3 +85,25 @@ def test_delta_outputs_carry_only_what_is_new(engines, overlap):
     for index in (0, 1):
         assert pieces[index] == last[index].token_ids
         assert "".join(pieces[f"text{index}"]) == last[index].text
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_looked_at_every_so_often_gets_its_tokens_from_the_core_in_chunks(engines, overlap):
+    """report_every_s (the service's worker asks it for a job nobody streams): the core sends
+    the request's tokens in chunks instead of one a step. With 0 a chunk is due every step,
+    so its outputs move on step by step exactly as a per-step request's; with an hour its
+    only output is its last. Either way the outputs, text included, are the per-step ones."""
+    engine = engines[overlap].llm_engine
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True)
+    engine.add_request("per-step", PROMPT, params)
+    engine.add_request("every-step", PROMPT, params, report_every_s=0.0)
+    engine.add_request("hourly", PROMPT, params, report_every_s=3600.0)
+    seen: dict[str, list] = {"per-step": [], "every-step": [], "hourly": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(([(c.token_ids, c.text, c.finish_reason) for c in output.outputs],
+                                            output.finished))
+    assert len(seen["per-step"]) >= 10
+    assert seen["every-step"] == seen["per-step"]
+    assert seen["hourly"] == seen["per-step"][-1:]
+    assert all(len(token_ids) == 10 for token_ids, _, _ in seen["hourly"][0][0])

@@ -189,7 +189,8 @@ class EngineCore:
         request = CoreRequest(
             message.request_id, message.prompt_token_ids, message.params, arrival_time=message.arrival_time,
             priority=message.priority, eos_token_ids=self._eos_token_ids, max_model_len=self.max_model_len,
-            beam_search=beam, stream=message.stream, bad_words_token_ids=message.bad_words_token_ids,
+            beam_search=beam, stream=message.stream, report_every_s=message.report_every_s,
+            bad_words_token_ids=message.bad_words_token_ids,
         )
         first = self._new_sequence(request, 0)
         request.seqs.append(first)
@@ -620,6 +621,8 @@ class EngineCore:
         generated = 0  # tokens of requests that are not streamed
         now = time.time()
         touched: dict[int, CoreRequest] = {}
+        # Requests not streamed whose chunk of tokens so far is due (report_every_s).
+        due: dict[int, CoreRequest] = {}
         for row, (seq, token) in enumerate(zip(launched.rows, sampled.token_ids)):
             if seq.status is SequenceStatus.FINISHED:
                 continue  # ended (or its request did) since this step was launched
@@ -644,10 +647,11 @@ class EngineCore:
                     out.logprobs.append(
                         (len(token_ids) - 1, sampled.logprobs[row], [(t, e.logprob, e.rank) for t, e in top.items()])
                     )
-            elif request.first_token_time is None:
-                request.first_token_time = now
-                generated += 1
             else:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if now >= request.report_at:
+                    due[request.request_id] = request
                 generated += 1
             if len(known) >= seq.max_num_tokens:
                 self._finish(seq, "length", None)
@@ -660,12 +664,19 @@ class EngineCore:
                 self._finish(seq, "stop", None)
                 touched[request.request_id] = request
         self.counters.generation_tokens += len(token_ids) - reported + generated
+        out.unreported_tokens += generated
         if launched.prompt_logprobs is not None:
             self._report_prompt_logprobs(launched.prompt_logprobs)
         if launched.beams:
             values, ids = launched.beam_top.lists()
             for seq, top_values, top_ids in zip(launched.beams, values, ids):
                 self._report_beam(seq, top_values, top_ids)
+        for request in due.values():
+            request.report_at = now + request.report_every_s
+            for seq in request.seqs:
+                # (An ended one sent its last chunk as it ended.)
+                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_reported:
+                    self._report_chunk(seq)
         for request in touched.values():
             self._retire_if_done(request)
         if timings is not None:
@@ -676,13 +687,16 @@ class EngineCore:
         request = seq.request
         self._out.finished.append((request.request_id, seq.index, reason, stop_reason))
         if not request.stream:
-            self._complete(seq)
+            self._report_chunk(seq)
 
-    def _complete(self, seq: Sequence) -> None:
-        """A sequence of a request that is not streamed: every output token, at once."""
+    def _report_chunk(self, seq: Sequence) -> None:
+        """A sequence of a request that is not streamed: its output tokens since its last chunk."""
         request = seq.request
         first = request.first_token_time if request.first_token_time is not None else time.time()
-        self._out.completed.append((request.request_id, seq.index, seq.output_token_ids, first))
+        start = seq.num_prompt_tokens + seq.num_reported
+        chunk = seq.token_ids[start:]
+        seq.num_reported += len(chunk)
+        self._out.token_chunks.append((request.request_id, seq.index, chunk, first))
 
     def _end_sequences(self, request: CoreRequest) -> None:
         for seq in request.seqs:
@@ -698,8 +712,8 @@ class EngineCore:
         request.error = error
         if not request.stream:
             for seq in request.seqs:
-                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens:
-                    self._complete(seq)  # what it made before it failed
+                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_reported:
+                    self._report_chunk(seq)  # what it made before it failed
         self._end_sequences(request)
         del self.requests[request.request_id]
         self.counters.requests_failed += 1

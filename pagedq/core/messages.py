@@ -31,10 +31,13 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False, tag=True):
     priority: int = 0
     # Beam search: `params` then holds what every beam shares (greedy, max_tokens, ignore_eos).
     beam: BeamSearchParams | None = None
-    # Report each step's tokens as they come; False: each sequence's tokens arrive once,
-    # when it ends (`CoreOutputs.completed`). The front asks for the latter when nobody
-    # watches the tokens go by (final-only outputs, no stop strings, no logprobs).
+    # Report each step's tokens as they come; False: each sequence's tokens arrive in
+    # chunks (`CoreOutputs.token_chunks`), once when it ends or, with `report_every_s`, also
+    # at most that often while it runs. The front asks for chunks when nobody watches the
+    # tokens go by (final-only outputs; a service job nobody streams, whose progress is
+    # published only every so often), and never with stop strings or logprobs.
     stream: bool = True
+    report_every_s: float | None = None
     # params.bad_words as token id sequences (the core has no tokenizer; the front does).
     bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
@@ -83,15 +86,20 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: list[tuple[int, list[list[tuple[int, float, int]]]]] = msgspec.field(default_factory=list)
     # (request id, sequence index, finish_reason "stop" or "length", stop_reason)
     finished: list[tuple[int, int, str, int | None]] = msgspec.field(default_factory=list)
-    # Sequences of requests added with stream=False that ended (or failed), with every
-    # output token at once: (request id, sequence index, token ids, when its first came).
-    completed: list[tuple[int, int, list[int], float]] = msgspec.field(default_factory=list)
+    # Output tokens of requests added with stream=False, each sequence's since its last
+    # chunk: when it ends (or fails) and as its report_every_s falls due. (request id,
+    # sequence index, token ids, when the request's first token came).
+    token_chunks: list[tuple[int, int, list[int], float]] = msgspec.field(default_factory=list)
     # Requests scheduled for the first time: (request id, when, prompt tokens found cached).
     scheduled: list[tuple[int, float, int]] = msgspec.field(default_factory=list)
     # Requests the core failed alone, for something they caused: (request id, why).
     failed: list[tuple[int, str]] = msgspec.field(default_factory=list)
     # Beam search requests that ended: (request id, best hypotheses first).
     beams: list[tuple[int, list[BeamHypothesis]]] = msgspec.field(default_factory=list)
+    # Output tokens this step made for requests whose tokens come in chunks (not in the
+    # rows): a core in its own process sends such a step all the same, so a front that
+    # paces itself by the core's steps (the service's worker) is not left waiting for a chunk.
+    unreported_tokens: int = 0
     # When the host learned these tokens (time.time()).
     timestamp: float = 0.0
     # The core's counters and queue sizes after this step (EngineCore.stats()), when sent.

@@ -87,8 +87,8 @@ def run_core_process(settings: dict) -> None:
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))
-            if out is not None and (out.request_ids or out.finished or out.completed or out.failed or out.beams or out.scheduled
-                                    or out.error is not None) or changed:
+            if out is not None and (out.request_ids or out.unreported_tokens or out.finished or out.token_chunks
+                                    or out.failed or out.beams or out.scheduled or out.error is not None) or changed:
                 out = out or messages.CoreOutputs()
                 out.stats = core.stats()
                 outputs.send(encoder.encode(out), copy=False)

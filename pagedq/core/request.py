@@ -39,8 +39,8 @@ class CoreRequest:
     __slots__ = (
         "request_id", "prompt_token_ids", "params", "arrival_time", "priority", "arrival_index", "seqs",
         "num_cached_tokens", "beam_search", "branched", "error", "first_scheduled_time",
-        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "stream", "first_token_time",
-        "bad_words_token_ids", "grammar", "prompt_logprobs_done",
+        "sync", "max_output_tokens", "stop_reasons", "wants_logprobs", "stream", "report_every_s", "report_at",
+        "first_token_time", "bad_words_token_ids", "grammar", "prompt_logprobs_done",
     )
 
     def __init__(
@@ -55,6 +55,7 @@ class CoreRequest:
         max_model_len: int,
         beam_search: BeamSearch | None = None,
         stream: bool = True,
+        report_every_s: float | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
     ):
         self.request_id = request_id
@@ -73,8 +74,11 @@ class CoreRequest:
         self.branched = False
         self.error: str | None = None
         self.first_scheduled_time: float | None = None
-        # Whether each step's tokens are reported (else each sequence's, when it ends).
+        # Whether each step's tokens are reported (else each sequence's in chunks: when it
+        # ends and, with report_every_s, while it runs, from the first step at report_at on).
         self.stream = stream
+        self.report_every_s = report_every_s
+        self.report_at = arrival_time + report_every_s if report_every_s is not None else math.inf
         self.first_token_time: float | None = None
         self.bad_words_token_ids = bad_words_token_ids or []
         # Prompt positions whose next prompt token's logprob has been computed (reported
@@ -116,7 +120,7 @@ class Sequence:
         "request", "index", "uid", "token_ids", "num_prompt_tokens", "num_pending", "num_computed_tokens",
         "status", "cumulative_logprob", "generator", "num_preemptions",
         "sort_key", "sample_step", "sample_row", "max_num_tokens", "params", "prompt_token_ids",
-        "bad_words_token_ids", "grammar",
+        "bad_words_token_ids", "grammar", "num_reported",
     )
 
     def __init__(self, request: CoreRequest, index: int, token_ids: list[int]):
@@ -134,6 +138,8 @@ class Sequence:
         # Prompt then the outputs the host knows.
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
+        # Output tokens sent to the front in chunks so far (a request not streamed).
+        self.num_reported = 0
         # Prompt plus the most outputs the length limit allows.
         self.max_num_tokens = self.num_prompt_tokens + request.max_output_tokens
         # Sampled by a step in flight, not yet known on the host (0 or 1).

@@ -108,10 +108,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        report_every_s: float | None = None,
     ) -> None:
         """Queue a request: sampled (SamplingParams) or beam search (BeamSearchParams).
         Raises ValueError (naming the field) for input that can never run; the engine's
-        other requests are unaffected."""
+        other requests are unaffected.
+
+        `report_every_s`: for a caller that looks at this request's progress only every so
+        often (the service's worker, for a job nobody streams): its outputs move on at most
+        this often while it runs, and at its end, as its tokens come from the core in
+        chunks instead of one a step. None: every step."""
         processor = self.input_processor
         sampling, beam = processor.params(params)
         if not isinstance(request_id, str) or not request_id:
@@ -128,12 +134,16 @@ class LLMEngine:
         core_id = next(self._core_ids)
         state = RequestState(request_id, core_id, text, token_ids, sampling, beam, output_kind, arrival_time,
                              self.tokenizer)
-        # Nobody watches a final-only request's tokens go by unless a stop string or
-        # logprobs need each one: the core then sends them once, when each sequence ends.
-        stream = output_kind is not RequestOutputKind.FINAL_ONLY or bool(sampling.stop_strings) or (
-            sampling.logprobs is not None
-        )
-        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam, stream, bad_words))
+        # Nobody watches a final-only request's tokens go by, nor those of one looked at
+        # only every report_every_s, unless a stop string or logprobs need each one: the
+        # core then sends them in chunks (once, when each sequence ends, if final-only).
+        # (A beam search reports its hypotheses its own way, whatever report_every_s says.)
+        final_only = output_kind is RequestOutputKind.FINAL_ONLY
+        per_token = bool(sampling.stop_strings) or sampling.logprobs is not None
+        chunked = not per_token and (final_only or (report_every_s is not None and beam is None))
+        report = report_every_s if chunked and not final_only else None
+        self.core.add_request(AddRequest(core_id, token_ids, sampling, arrival_time, priority, beam, not chunked, report,
+                                         bad_words))
         self._states[request_id] = state
         self.output_processor.add(state)
 

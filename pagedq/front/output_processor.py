@@ -216,7 +216,7 @@ class OutputProcessor:
                      for token, logprob, rank in entry}
                     for entry in entries
                 ]
-        for core_id, index, tokens, first_token_time in out.completed:
+        for core_id, index, tokens, first_token_time in out.token_chunks:
             state = states.get(core_id)
             if state is None or state.finished:
                 continue

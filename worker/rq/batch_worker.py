@@ -350,7 +350,7 @@ class BatchWorker(BaseWorker):
         try:
             if item.error is not None:
                 raise item.error[1]
-            item.payload.add_to(self.engine, execution.id)
+            item.payload.add_to(self.engine, execution.id, self.publisher.report_every_s(item.payload.stream))
         except Exception:
             # Bad input (InvalidJob: the client's error) fails the same way on every attempt: never retried.
             job.retries_left = 0

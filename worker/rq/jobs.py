@@ -51,7 +51,7 @@ def generate(**payload: Any) -> dict:
         publisher.start(pipeline, job, prompt_tokens=len(request.prompt_token_ids), stream=request.stream)
         pipeline.execute()
     try:
-        request.add_to(engine, job.id)
+        request.add_to(engine, job.id, publisher.report_every_s(request.stream))
     except InvalidJob:
         job.retries_left = 0
         raise

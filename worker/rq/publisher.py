@@ -143,6 +143,13 @@ class ProgressPublisher:
         self._jobs: dict[str, _Published] = {}
         self._dirty: set[str] = set()
 
+    def report_every_s(self, stream: bool) -> float | None:
+        """How often the engine need tell a job's progress (LLMEngine.add_request's
+        report_every_s): every step for a streamed job (None); for one nobody streams,
+        only as often as its deltas go, so its tokens come from the engine core in chunks
+        instead of one per step."""
+        return None if stream or self.progress_interval_s == 0 else self.progress_interval_s
+
     def start(self, pipeline: Pipeline, job: Job, prompt_tokens: int, stream: bool = True) -> None:
         """Called when a job (re)starts running: start_progress(), then track()."""
         start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s)
