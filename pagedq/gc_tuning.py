@@ -10,10 +10,9 @@ still collected.
 What a process allocates while it serves is almost all short-lived (a request's parsed
 body, a step's outputs, an SSE frame), freed by reference counting before any collection
 could look at it; what is left over is a few cycles. At the default youngest-generation
-threshold (700 container allocations) the api collected ~300 times in a 512-request
-streaming run, 0.15 s of its 1.8 s of CPU, most of that spent promoting live request
-objects into older generations and walking them again; at 20,000 it collects a few times,
-0.04 s (bench/results/2026-11-28-chunked-progress.md).
+threshold (700 container allocations) the api collected 297 + 26 + 2 times (young, middle,
+old) in a 512-request streaming run, 0.14 s of its ~1.8 s of CPU, each collection walking
+the requests in flight; at 20,000, 6 times in 0.03 s (bench/results/2026-11-28-chunked-progress.md).
 """
 
 from __future__ import annotations
