@@ -81,14 +81,13 @@ def test_each_step_returns_while_a_requests_tokens_wait_for_their_chunk(model):
         engine = llm.llm_engine
         engine.add_request("quiet", {"prompt_token_ids": [9] * 8}, SamplingParams(max_tokens=400, ignore_eos=True),
                            report_every_s=3600.0)
-        made = []
-        for _ in range(6):
-            assert engine.step(defer_outputs=True) == []
-            made.append(engine.stats()["generation_tokens"])
-        assert engine.has_unfinished_requests() and 0 < made[-1] < 400 and made == sorted(made)
-        outputs = []
+        outputs, calls = [], 0
         while engine.has_unfinished_requests():
             outputs += engine.step(defer_outputs=True)
+            calls += 1
+        # About one call per core step (400 of them); held for the chunk, the second call
+        # would have waited for the request's end.
+        assert calls > 20
         assert [len(o.outputs[0].token_ids) for o in outputs] == [400]
     finally:
         llm.llm_engine.shutdown()
