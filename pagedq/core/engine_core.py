@@ -675,7 +675,7 @@ class EngineCore:
             request.report_at = now + request.report_every_s
             for seq in request.seqs:
                 # (An ended one sent its last chunk as it ended.)
-                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_reported:
+                if not seq.is_finished and seq.num_unreported_tokens:
                     self._report_chunk(seq)
         for request in touched.values():
             self._retire_if_done(request)
@@ -712,7 +712,7 @@ class EngineCore:
         request.error = error
         if not request.stream:
             for seq in request.seqs:
-                if not seq.is_finished and len(seq.token_ids) > seq.num_prompt_tokens + seq.num_reported:
+                if not seq.is_finished and seq.num_unreported_tokens:
                     self._report_chunk(seq)  # what it made before it failed
         self._end_sequences(request)
         del self.requests[request.request_id]

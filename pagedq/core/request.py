@@ -164,6 +164,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_unreported_tokens(self) -> int:
+        """Output tokens the host knows that no chunk has carried yet (a request not streamed)."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_reported
+
+    @property
     def num_output_tokens(self) -> int:
         """Outputs so far, the one in flight included."""
         return len(self.token_ids) - self.num_prompt_tokens + self.num_pending
