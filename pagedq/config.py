@@ -47,7 +47,8 @@ class EngineArgs:
     # api, Redis and clients may share the core's CPUs; a core preempted mid-step delays
     # every sequence of the step, while they can wait a few milliseconds. Below the
     # front's own value it needs CAP_SYS_NICE (or RLIMIT_NICE); without, the core keeps
-    # the front's priority and says so.
+    # the front's priority and says so. Below the front's, it holds while the core runs at
+    # least a quarter of max_num_seqs (pagedq.core.process.BatchPriority).
     core_nice: int | None = None
     # Real-time scheduling (SCHED_FIFO at this priority, 1-99) for the core process and every
     # thread and process it starts (torch's, zmq's, tensor-parallel ranks); None: normal

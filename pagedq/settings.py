@@ -86,7 +86,9 @@ class Settings(BaseSettings):
     core_nice: int | None = Field(
         -10, ge=-20, le=19, description="The engine core process's nice value (lower runs first; None: the "
         "worker's own): the api, Redis and the worker's own Python share its CPUs and can wait, its steps "
-        "cannot. Needs CAP_SYS_NICE (compose.yaml adds it); without, the core keeps the worker's priority.",
+        "cannot. Below the worker's, it holds while the core runs at least a quarter of max_num_seqs; with "
+        "fewer, the core runs at the worker's priority (the api and worker admitting more go first). Needs "
+        "CAP_SYS_NICE (compose.yaml adds it); without, the core keeps the worker's priority.",
     )
     core_realtime_priority: int | None = Field(
         None, ge=1, le=99, description="Real-time scheduling (SCHED_FIFO at this priority) for the engine core "

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,6 +91,48 @@ def test_each_step_returns_while_a_requests_tokens_wait_for_their_chunk(model):
         # would have waited for the request's end.
         assert calls > 20
         assert [len(o.outputs[0].token_ids) for o in outputs] == [400]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _may_raise_priority() -> bool:
+    probe = "import os; os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def _nice_of_threads(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(thread)) for thread in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _may_raise_priority(),
+                    reason="a raised priority needs CAP_SYS_NICE or RLIMIT_NICE (Linux)")
+def test_a_raised_core_runs_at_the_fronts_priority_while_its_batch_is_small(model):
+    """core_nice below the front's holds while the core runs at least a quarter of
+    max_num_seqs (here 2 of 8), on every one of its threads; below that (a burst's first
+    requests, its last ones) the core yields to the front, the api and Redis admitting the rest."""
+    front = os.getpriority(os.PRIO_PROCESS, 0)
+    raised = max(front - 5, -20)
+    llm = LLM(model, dtype="float32", device="cpu", core_process=True, core_nice=raised, max_num_seqs=8)
+    try:
+        engine = llm.llm_engine
+        core = engine.core._process.pid
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+
+        def step_while_running(count: int) -> None:
+            for _ in range(5):
+                engine.step()
+            assert engine.stats()["num_running"] == count
+
+        engine.add_request("first", {"prompt_token_ids": [9] * 8}, params)
+        step_while_running(1)
+        assert _nice_of_threads(core) == {front}
+        for name in ("second", "third"):
+            engine.add_request(name, {"prompt_token_ids": [7] * 8}, params)
+        step_while_running(3)
+        assert _nice_of_threads(core) == {raised}
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert _nice_of_threads(core) == {front}
     finally:
         llm.llm_engine.shutdown()
 

@@ -28,6 +28,7 @@ def run_core_process(settings: dict) -> None:
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     # Before any thread starts (torch's, zmq's): Linux keeps a nice value and a scheduling
     # policy per thread, and a new thread takes its creator's.
+    front_nice = os.getpriority(os.PRIO_PROCESS, 0)
     _set_nice(settings["engine_args"].get("core_nice"))
     _set_realtime(settings["engine_args"].get("core_realtime_priority"))
     import msgspec
@@ -52,6 +53,7 @@ def run_core_process(settings: dict) -> None:
         context.destroy(linger=5000)
         return
     freeze_startup_heap()
+    priority = BatchPriority(front_nice, os.getpriority(os.PRIO_PROCESS, 0), core.scheduler.config.max_num_seqs)
     outputs.send(msgspec.json.encode({"info": msgspec.to_builtins(core.info()), "stats": core.stats()}))
     inputs = context.socket(zmq.PULL)
     inputs.connect(settings["inputs_address"])
@@ -87,6 +89,7 @@ def run_core_process(settings: dict) -> None:
                 except Exception as exc:
                     logger.exception("an engine step failed; every request was dropped")
                     out = messages.CoreOutputs(error=repr(exc))
+                priority.follow(core.scheduler.num_running)
             if out is not None and (out.request_ids or out.unreported_tokens or out.finished or out.token_chunks
                                     or out.failed or out.beams or out.scheduled or out.error is not None) or changed:
                 out = out or messages.CoreOutputs()
@@ -99,6 +102,56 @@ def run_core_process(settings: dict) -> None:
     finally:
         core.shutdown()
         context.destroy(linger=0)
+
+
+class BatchPriority:
+    """The core's raised priority (EngineArgs.core_nice below the front's) holds while its batch
+    is at least a quarter of max_num_seqs; below that its threads run at the front's priority.
+
+    A raised core takes a CPU from everything else the host runs for as long as it has work,
+    and a near-empty batch's steps do little with it. On 2 CPUs a burst of 512 polled
+    requests reached the engine one at a time while the core, raised, ran the first of them
+    alone for ~100 steps: the api admitting the rest and the worker starting them (RQ's
+    bookkeeping, at a tenth of a CPU) waited for it. At the front's priority while the batch
+    is small, the burst is admitted sooner and the service made ~100 fewer steps of the same
+    work (bench/results/2026-11-29-burst-pipeline.md); once the batch is large its steps
+    are the service's critical path again, and streaming needs the core raised (at the front's
+    priority throughout, the api used its share to send 30% more, smaller SSE events).
+    Its tensor-parallel ranks keep the priority they started with."""
+
+    def __init__(self, front_nice: int, core_nice: int, max_num_seqs: int):
+        self.front_nice = front_nice
+        self.core_nice = core_nice
+        self.busy_from = max(1, max_num_seqs // 4)
+        self.current = core_nice
+        # Only a raised core (a lower nice value than the front's, which needed the privilege
+        # to set) moves; one at the front's value or below its priority stays as it is.
+        self.enabled = core_nice < front_nice
+
+    def follow(self, running: int) -> None:
+        """After a step: the priority for a batch of `running` requests."""
+        if not self.enabled:
+            return
+        nice = self.core_nice if running >= self.busy_from else self.front_nice
+        if nice == self.current:
+            return
+        self.current = nice
+        try:
+            _renice_threads(nice)
+        except PermissionError:  # the privilege was dropped since it started: stay as it is
+            self.enabled = False
+            logging.getLogger(__name__).warning("the engine core's priority no longer follows its batch: "
+                                                "nice %d was refused", nice)
+
+
+def _renice_threads(nice: int) -> None:
+    """Every thread of this process to `nice` (Linux keeps one per thread)."""
+    threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for thread in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(thread), nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def _set_nice(nice: int | None) -> None:
