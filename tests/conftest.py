@@ -12,6 +12,11 @@ test taking it runs once per architecture.
 `redis_server` is a Redis server of the test module's own (pagedq.redis_server.RedisServer,
 started on a free port), and `redis` a client of it.
 
+Processes the tests start with a fresh HOME (a first run's own caches: `pagedq up`, the README's
+quick start, `pagedq pull`) share this session's build of the C++ CPU kernels
+(TORCH_EXTENSIONS_DIR, set here unless the caller set it): each would otherwise compile them
+again, half a minute to a minute of a 2-core machine's time apiece.
+
 `overlap` is parametrized over the engine core's two ways of stepping: each step
 collected before the next is scheduled, and overlapped steps (`async_scheduling`: step
 N+1 scheduled and launched before step N's tokens are known on the host). A test taking
@@ -21,13 +26,17 @@ it passes it to the engine and runs once each way.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from redis import Redis
+from torch.utils.cpp_extension import get_default_build_root
 
 from pagedq.redis_server import RedisServer
 from pagedq.tiny_model import TINY_ARCHS, make_tiny_model
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
 
 
 @pytest.fixture(scope="session")
