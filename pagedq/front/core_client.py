@@ -23,7 +23,7 @@ import tempfile
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from pagedq.config import EngineArgs
 from pagedq.core.messages import Abort, AddRequest, CoreInfo, CoreOutputs, SetEosTokenIds, Shutdown, StopSequences
@@ -63,10 +63,10 @@ class CoreClient(Protocol):
 
 
 class InprocCoreClient:
-    def __init__(self, args: EngineArgs, eos_token_ids: set[int]):
+    def __init__(self, args: EngineArgs, load_front: Callable[[], set[int]]):
         from pagedq.core.engine_core import EngineCore
 
-        self.core = EngineCore(args, eos_token_ids)
+        self.core = EngineCore(args, load_front())
         self.info = self.core.info()
 
     def add_request(self, request: AddRequest) -> None:
@@ -99,7 +99,12 @@ class InprocCoreClient:
 
 
 class ProcessCoreClient:
-    def __init__(self, args: EngineArgs, eos_token_ids: set[int]):
+    def __init__(self, args: EngineArgs, load_front: Callable[[], set[int]]):
+        """Starts the core process, runs `load_front()` (the front's own loading: its config
+        and tokenizer; it returns the eos token ids) while that process imports its modules
+        and loads the model, then gives the core the ids and waits until it is ready. One
+        after the other, `pagedq worker` on 2 cores was listening 12.0-17.2 s after it
+        started; side by side, 9.5-12.8 s (5 pairs, bench/results/2026-11-29-worker-start.md)."""
         import torch
         import zmq
 
@@ -116,9 +121,8 @@ class ProcessCoreClient:
         self._outputs = self._context.socket(zmq.PULL)
         self._outputs.bind(outputs_address)
         settings = {
-            "engine_args": dataclasses.asdict(args), "eos_token_ids": sorted(eos_token_ids),
-            "inputs_address": inputs_address, "outputs_address": outputs_address, "parent_pid": os.getpid(),
-            "torch_threads": torch.get_num_threads(),
+            "engine_args": dataclasses.asdict(args), "inputs_address": inputs_address,
+            "outputs_address": outputs_address, "parent_pid": os.getpid(), "torch_threads": torch.get_num_threads(),
         }
         self._process = subprocess.Popen([sys.executable, "-m", "pagedq.core.process"], stdin=subprocess.PIPE)
         # The finalizer holds every socket: one collected with the client in the same garbage
@@ -126,8 +130,19 @@ class ProcessCoreClient:
         # the context's term() would wait for it forever.
         self._finalizer = weakref.finalize(self, _stop, self._process, self._inputs, self._outputs, self._context,
                                            self._socket_dir, self._encoder.encode(Shutdown()))
-        self._process.stdin.write(json.dumps(settings).encode())
-        self._process.stdin.close()
+        # Two lines (pagedq.core.process): the settings now, the eos ids once the front has them.
+        self._process.stdin.write(json.dumps(settings).encode() + b"\n")
+        self._process.stdin.flush()
+        try:
+            eos_token_ids = load_front()
+        except BaseException:
+            self.shutdown()
+            raise
+        try:
+            self._process.stdin.write(json.dumps(sorted(eos_token_ids)).encode() + b"\n")
+            self._process.stdin.close()
+        except BrokenPipeError:  # the core could not start: it has said why, read next
+            pass
         self.info, self._stats = self._wait_until_ready()
         self._received: list[CoreOutputs] = []  # sent by the core, not yet taken by get_outputs
 
@@ -240,6 +255,10 @@ def _stop(process: subprocess.Popen, inputs, outputs, context, socket_dir: str, 
     except zmq.ZMQError:
         pass
     try:
+        process.stdin.close()  # a core still waiting for its eos ids: the front gave up on it
+    except OSError:
+        pass
+    try:
         process.wait(timeout=5)
     except subprocess.TimeoutExpired:
         process.kill()
@@ -250,7 +269,9 @@ def _stop(process: subprocess.Popen, inputs, outputs, context, socket_dir: str, 
     shutil.rmtree(socket_dir, ignore_errors=True)
 
 
-def make_core_client(args: EngineArgs, eos_token_ids: set[int]) -> CoreClient:
+def make_core_client(args: EngineArgs, load_front: Callable[[], set[int]]) -> CoreClient:
+    """The engine core, built beside the front's own loading: `load_front()` loads what
+    the front needs and returns the eos token ids the core is built with."""
     if args.core_process:
-        return ProcessCoreClient(args, eos_token_ids)
-    return InprocCoreClient(args, eos_token_ids)
+        return ProcessCoreClient(args, load_front)
+    return InprocCoreClient(args, load_front)

@@ -34,10 +34,7 @@ __all__ = ["LLMEngine", "PromptType"]
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        hf_config = load_hf_config(args.model)
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model)
-        self._eos_token_ids = eos_token_ids(args.model, hf_config, self.tokenizer)
-        self.core = make_core_client(args, self._eos_token_ids)
+        self.core = make_core_client(args, self._load)
         info: CoreInfo = self.core.info
         self.core_info = info
         self.vocab_size = info.vocab_size
@@ -51,6 +48,14 @@ class LLMEngine:
         self._finals: list[RequestOutput] = []
         self._core_ids = itertools.count()
         self._step_timings = None
+
+    def _load(self) -> set[int]:
+        """The front's config and tokenizer (a core process of its own loads its modules
+        meanwhile); the eos token ids the core is built with."""
+        hf_config = load_hf_config(self.args.model)
+        self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.model)
+        self._eos_token_ids = eos_token_ids(self.args.model, hf_config, self.tokenizer)
+        return self._eos_token_ids
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

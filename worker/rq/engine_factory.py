@@ -43,8 +43,10 @@ def build_engine(settings: Settings) -> LLMEngine:
     # share one GIL (`pagedq bench serve`, bench/results/2026-11-26-serve-core-process.md).
     given.setdefault("core_process", True)
     args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
+    # The engine first: its core process starts loading at once, beside the front's own loading.
+    engine = LLMEngine.from_engine_args(args)
     preload_grammar_engine()  # jobs with a shape are validated here too: not at the first one's cost
-    return LLMEngine.from_engine_args(args)
+    return engine
 
 
 _ENGINE_SETTINGS = sorted((set(Settings.model_fields) & EngineArgs.field_names()) - {"model"})
