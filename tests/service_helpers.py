@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import uvicorn
 
 from api.app import create_app
@@ -26,6 +27,19 @@ from pagedq.redis_schema import stream_key
 from pagedq.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def processes_below(marker: str, parent: int | None = None) -> list[psutil.Process]:
+    """The processes below this one (or below `parent`) whose command line holds `marker`. One
+    that ends or is a zombie while it is read (a short-lived helper: ldconfig, say) is left out."""
+    found = []
+    for process in psutil.Process(parent).children(recursive=True):
+        try:
+            if marker in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def count_stream_reads(connection) -> list[int]:

@@ -19,6 +19,7 @@ import pytest
 
 from pagedq import LLM, SamplingParams
 from pagedq.front.core_client import EngineDeadError
+from tests.service_helpers import processes_below
 
 pytestmark = pytest.mark.slow
 
@@ -156,20 +157,6 @@ def test_a_core_process_that_cannot_start_says_why(tmp_path, model):
         LLM(model, dtype="float32", device="cpu", core_process=True, max_model_len=10**9)
 
 
-def _core_processes() -> list[int]:
-    """This process's children that are engine core processes."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{entry}/stat").read()
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-        except OSError:  # gone meanwhile
-            continue
-        if int(stat.rpartition(")")[2].split()[1]) == os.getpid() and b"pagedq.core.process" in cmdline:
-            found.append(int(entry))
-    return found
-
-
 def test_a_front_that_fails_to_load_stops_the_core_it_started(tmp_path, model):
     """The core process starts loading before the front loads its tokenizer, side by side:
     a tokenizer that does not load is the caller's error and leaves no core process behind."""
@@ -179,7 +166,7 @@ def test_a_front_that_fails_to_load_stops_the_core_it_started(tmp_path, model):
     with pytest.raises(json.JSONDecodeError) as failure:
         LLM(str(broken), dtype="float32", device="cpu", core_process=True)
     # Stopped by the failing call itself, not by the collector once the traceback (held here) goes.
-    assert _core_processes() == [], failure.value
+    assert processes_below("pagedq.core.process") == [], failure.value
 
 
 def test_an_engine_dropped_in_a_garbage_cycle_is_collected_without_a_hang(model):

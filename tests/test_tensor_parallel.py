@@ -27,6 +27,7 @@ from tests.service_helpers import (
     ApiServer,
     WorkerProcess,
     offline_greedy,
+    processes_below,
     ready_workers,
     service_settings,
     wait_until,
@@ -58,14 +59,7 @@ PREEMPTION = {"qwen2": "swap"}
 
 def rank_processes(parent: int | None = None) -> list[psutil.Process]:
     """Tensor-parallel ranks 1..N-1 below this process (or below `parent`)."""
-    ranks = []
-    for process in psutil.Process(parent).children(recursive=True):
-        try:
-            if "worker.tp.follower" in " ".join(process.cmdline()):
-                ranks.append(process)
-        except psutil.NoSuchProcess:  # a short-lived helper (ldconfig, say) gone or a zombie meanwhile: not a rank
-            pass
-    return ranks
+    return processes_below("worker.tp.follower", parent)
 
 
 def run(model_dir, tensor_parallel_size: int, preemption_mode: str) -> tuple[list[list[int]], dict, int, list[float]]:

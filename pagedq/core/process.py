@@ -3,8 +3,8 @@
 Started as `python -m pagedq.core.process` (never by re-importing the caller's main
 module, as multiprocessing's spawn would), its settings as a line of JSON on stdin, then
 the eos token ids as another once the front has loaded its tokenizer: the core imports its
-modules in between, beside the front's own loading. The first message it sends is JSON:
-ready (with the core's CoreInfo and stats) or why it could not start.
+modules and builds itself in between, beside the front's own loading. The first message
+it sends is JSON: ready (with the core's CoreInfo and stats) or why it could not start.
 
 The loop: take every message waiting on the input socket (requests, aborts, stops); step
 whenever there is work, sending each step's outputs (with the core's stats) back; block
@@ -22,11 +22,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 
 
-def run_core_process(settings: dict, read_eos_token_ids: Callable[[], set[int] | None]) -> None:
-    """`read_eos_token_ids()`: the front's eos ids, when it has them (None: it gave up)."""
+def run_core_process(settings: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("PAGEDQ_LOG_LEVEL", "WARNING"),
@@ -58,12 +56,12 @@ def run_core_process(settings: dict, read_eos_token_ids: Callable[[], set[int] |
         outputs.send(msgspec.json.encode({"error": [type(exc).__name__, str(exc)]}))
         context.destroy(linger=5000)
         return
-    eos_token_ids = read_eos_token_ids()
-    if eos_token_ids is None:
+    eos_line = sys.stdin.readline()
+    if not eos_line:  # the front gave up before it had them
         core.shutdown()
         context.destroy(linger=0)
         return
-    core.set_eos_token_ids(eos_token_ids)
+    core.set_eos_token_ids(set(json.loads(eos_line)))
     freeze_startup_heap()
     priority = BatchPriority(front_nice, os.getpriority(os.PRIO_PROCESS, 0), core.scheduler.config.max_num_seqs)
     outputs.send(msgspec.json.encode({"info": msgspec.to_builtins(core.info()), "stats": core.stats()}))
@@ -210,10 +208,5 @@ def _handle(core, message) -> bool:
     return False
 
 
-def _read_eos_token_ids() -> set[int] | None:
-    line = sys.stdin.readline()
-    return set(json.loads(line)) if line else None
-
-
 if __name__ == "__main__":
-    run_core_process(json.loads(sys.stdin.readline()), _read_eos_token_ids)
+    run_core_process(json.loads(sys.stdin.readline()))
