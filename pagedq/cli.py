@@ -1,6 +1,9 @@
 """`pagedq`: the command line. Each command module exposes registration functions that
 add their parser(s) and set `handler=<callable(args) -> int>` as the parser default;
-REGISTRATIONS lists them in the order `pagedq --help` shows the commands.
+REGISTRATIONS lists them in the order `pagedq --help` shows the commands, each with the
+commands it adds: a process started for one command (`pagedq api`, `pagedq worker`, a
+`pagedq submit`) imports that command's module alone, not the benchmarks' HTTP clients
+(aiohttp, httpx: ~0.2-0.5 s of every start).
 """
 
 from __future__ import annotations
@@ -9,15 +12,15 @@ import argparse
 import importlib
 import sys
 
-# (module, function): the commands a user starts with first (up, submit, batch), then the
-# service's parts and tools.
+# (module, function, the commands it adds): the commands a user starts with first (up,
+# submit, batch), then the service's parts and tools.
 REGISTRATIONS = (
-    ("pagedq.commands.service", "register_start"),
-    ("pagedq.commands.batch", "register"),
-    ("pagedq.commands.service", "register"),
-    ("pagedq.commands.pull", "register"),
-    ("pagedq.commands.make_tiny_model", "register"),
-    ("pagedq.commands.bench", "register"),
+    ("pagedq.commands.service", "register_start", ("up", "submit")),
+    ("pagedq.commands.batch", "register", ("batch",)),
+    ("pagedq.commands.service", "register", ("result", "cancel", "api", "worker")),
+    ("pagedq.commands.pull", "register", ("pull",)),
+    ("pagedq.commands.make_tiny_model", "register", ("make-tiny-model",)),
+    ("pagedq.commands.bench", "register", ("bench",)),
 )
 
 DESCRIPTION = """\
@@ -42,17 +45,23 @@ class CommandError(Exception):
         self.exit_code = exit_code
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or only `command`'s when it is one (what parsing that
+    command's arguments needs)."""
     parser = argparse.ArgumentParser(prog="pagedq", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
-    for module, function in REGISTRATIONS:
-        getattr(importlib.import_module(module), function)(subparsers)
+    known = any(command in commands for _, _, commands in REGISTRATIONS)
+    for module, function, commands in REGISTRATIONS:
+        if not known or command in commands:
+            getattr(importlib.import_module(module), function)(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The top level takes no option but --help, which (given first) shows every command.
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except CommandError as exc:

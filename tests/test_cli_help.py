@@ -6,8 +6,10 @@ hub id given as --model says how to get a local checkpoint."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
-from pagedq.cli import build_parser, main
+from pagedq.cli import REGISTRATIONS, build_parser, main
 
 
 def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pagedq",)):
@@ -37,3 +39,27 @@ def test_a_model_hub_id_says_to_pull_a_local_checkpoint(capsys):
     assert main(["up", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 1
     err = capsys.readouterr().err
     assert "looks like a model hub id" in err and "`pagedq pull`" in err and "Traceback" not in err
+
+
+def test_each_registration_adds_the_commands_it_lists():
+    """REGISTRATIONS' lists are what main() reads to import one command's module alone."""
+    for module, function, listed in REGISTRATIONS:
+        parser = argparse.ArgumentParser()
+        subparsers = parser.add_subparsers()
+        getattr(__import__(module, fromlist=[function]), function)(subparsers)
+        assert tuple(subparsers.choices) == listed, module
+    everything = [name for _, _, listed in REGISTRATIONS for name in listed]
+    assert len(everything) == len(set(everything))
+
+
+def test_a_service_process_does_not_import_the_benchmarks_http_clients():
+    """`pagedq api` / `pagedq worker` parse their arguments without the bench and batch
+    commands' modules (aiohttp, httpx: a fraction of a second of every start); `pagedq
+    --help` and an unknown command still see every command."""
+    probe = ("import sys; from pagedq.cli import build_parser; "
+             "build_parser('worker').parse_args(['worker', '--queue-name', 'q']); "
+             "print(sorted(m for m in ('aiohttp', 'httpx', 'pagedq.client', 'pagedq.commands.bench') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    every = {name for _, _, listed in REGISTRATIONS for name in listed}
+    for command in (None, "nosuch"):
+        assert set(next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)).choices) == every
