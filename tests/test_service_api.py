@@ -436,6 +436,8 @@ def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_s
             for client in clients:
                 client.close()
         assert scrapes == [True] * 20
+        # uvicorn's access log is on by default, as vLLM's is.
+        assert log.read_text().count('"POST /generate HTTP/1.1" 202') == 20
         api.send_signal(signal.SIGTERM)
         assert api.wait(30) == 0
         assert log.read_text().count("Application shutdown complete") == 2
@@ -444,6 +446,32 @@ def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_s
             api.kill()
             api.wait()
 
+
+
+def test_disable_uvicorn_access_log_leaves_requests_unlogged(model, redis_server, tmp_path):
+    """`pagedq api --disable-uvicorn-access-log` (vLLM's flag): requests are served and
+    none is logged; the api's own lines still are."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name="quiet-api")
+    env = {**os.environ, **settings.to_env()}
+    log_path = tmp_path / "api.log"
+    with open(log_path, "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "pagedq.cli", "api", "--workers", "1", "--disable-uvicorn-access-log"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "Application startup complete" in log_path.read_text(), 120, "the api to start", interval_s=0.2)
+        with httpx.Client(base_url=f"http://127.0.0.1:{settings.port}", timeout=10) as client:
+            assert client.post("/generate", json={"prompt": "hi"}).status_code == 202
+            assert client.get("/health").status_code == 200
+        api.send_signal(signal.SIGTERM)
+        # One uvicorn process raises the signal again once it has shut down.
+        assert api.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
+    text = log_path.read_text()
+    assert "Application shutdown complete" in text
+    assert "/generate" not in text and "/health" not in text, text
 
 
 def test_a_stream_redis_cannot_read_ends_with_an_error_frame(client, redis_server):

@@ -101,6 +101,8 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
     else:
         parser.add_argument("--host", help="address the api listens on (PAGEDQ_HOST, default 127.0.0.1)")
         parser.add_argument("--port", type=int, help="port the api listens on (PAGEDQ_PORT, default 8000)")
+        parser.add_argument("--disable-uvicorn-access-log", action="store_true", default=None,
+                            help="no log line per HTTP request (PAGEDQ_DISABLE_UVICORN_ACCESS_LOG)")
     if role != "worker":
         parser.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                             help='let chat requests with tools use tool_choice "auto" (their default): the model\'s own '
@@ -175,7 +177,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     if settings.api_workers == 1:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
+                    access_log=not settings.disable_uvicorn_access_log)
         return 0
     # Each worker process builds its own app from these settings (as PAGEDQ_* variables);
     # their Prometheus counters meet in one directory, so any of them answers /metrics for all.
@@ -183,7 +186,8 @@ def cmd_api(args: argparse.Namespace) -> int:
         os.environ.update(settings.to_env())
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         uvicorn.run("api.app:app_from_environment", factory=True, workers=settings.api_workers,
-                    host=settings.host, port=settings.port, log_level="info")
+                    host=settings.host, port=settings.port, log_level="info",
+                    access_log=not settings.disable_uvicorn_access_log)
     return 0
 
 
