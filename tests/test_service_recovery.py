@@ -1,10 +1,13 @@
 """Failures with real processes and real signals: a worker SIGKILLed with jobs in flight,
-Redis restarted (AOF on) under a running worker, SIGTERM draining, and several workers
-sharing one queue. Every job must finish exactly once, with the offline engine's tokens."""
+Redis restarted (AOF on) under a running worker, SIGTERM draining, a worker stopped while
+its engine loads, and several workers sharing one queue. Every job must finish exactly once, with the offline engine's tokens."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +25,7 @@ from tests.service_helpers import (
     ApiServer,
     WorkerProcess,
     offline_greedy,
+    processes_below,
     ready_workers,
     service_settings,
     suspend_workers,
@@ -220,6 +224,29 @@ def test_sigterm_drains_then_requeues_and_workers_share_the_queue(service, model
     ran_on = {job.worker_name for job in jobs(redis, late_ids + long_ids)}
     drained = Job.fetch(short_id, connection=redis, serializer=JSONSerializer).worker_name
     assert len(ran_on) == 2 and drained not in ran_on
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_worker_stopped_while_its_engine_loads_exits_at_once_with_its_core(model, redis_server, tmp_path, signum,
+                                                                            status):
+    """SIGINT or SIGTERM before the worker listens, its engine core process loading, stops
+    it at once and the core with it: SIGINT too where it came in ignored, as in a worker
+    started in a script's background (it was ignored until RQ's handlers took over), and
+    SIGTERM without leaving the core to find out by itself."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name=f"stopped-loading-{signum}")
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "pagedq.cli", "worker"], env={**os.environ, **settings.to_env()},
+                                  stdout=log, stderr=subprocess.STDOUT,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        (core,) = wait_until(lambda: processes_below("pagedq.core.process", worker.pid), 60, "the engine core to start")
+        worker.send_signal(signum)
+        assert worker.wait(30) == status, (tmp_path / "worker.log").read_text()
+        core.wait(5)  # psutil.TimeoutExpired while it lives on
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
 
 
 def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model):

@@ -191,12 +191,22 @@ def cmd_api(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_while_starting(signum: int, frame) -> None:
+    # Nothing runs yet: exit now, the engine core process with us (ProcessCoreClient stops it).
+    raise SystemExit(128 + signum)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import redis
 
     from pagedq.front.core_client import EngineDeadError
     from worker.rq.batch_worker import run_worker
 
+    # Until RQ installs its own handlers (a drain) once the worker listens, SIGINT and SIGTERM
+    # stop a worker whose engine is loading. Set here even where SIGINT came in ignored (a
+    # worker started in a script's background), which it then was until RQ's took over.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_while_starting)
     settings = _settings(args)
     try:
         run_worker(settings)
