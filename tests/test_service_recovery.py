@@ -1,6 +1,7 @@
 """Failures with real processes and real signals: a worker SIGKILLed with jobs in flight,
 Redis restarted (AOF on) under a running worker, SIGTERM draining, a worker stopped while
-its engine loads, and several workers sharing one queue. Every job must finish exactly once, with the offline engine's tokens."""
+its engine loads, and several workers sharing one queue. Every job must finish exactly
+once, with the offline engine's tokens."""
 
 from __future__ import annotations
 
