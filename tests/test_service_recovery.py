@@ -1,7 +1,7 @@
 """Failures with real processes and real signals: a worker SIGKILLed with jobs in flight,
 Redis restarted (AOF on) under a running worker, SIGTERM draining, a worker stopped while
-its engine loads, and several workers sharing one queue. Every job must finish exactly
-once, with the offline engine's tokens."""
+its engine loads and an api while it starts, and several workers sharing one queue. Every
+job must finish exactly once, with the offline engine's tokens."""
 
 from __future__ import annotations
 
@@ -248,6 +248,36 @@ def test_a_worker_stopped_while_its_engine_loads_exits_at_once_with_its_core(mod
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler of its own for `signum` (Linux: SigCgt in /proc)."""
+    status = open(f"/proc/{pid}/status").read()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_an_api_stopped_while_it_starts_exits_at_once(model, redis_server, tmp_path, signum, status):
+    """SIGINT or SIGTERM while the api imports and builds its app (seconds, before uvicorn
+    serves and installs its handlers) stops it then, SIGINT too where it came in ignored: it
+    was lost before, and the api went on to serve."""
+    settings = service_settings(model, redis_server.url, tmp_path, queue_name=f"api-stopped-starting-{signum}")
+    log_path = tmp_path / "api.log"
+    with open(log_path, "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "pagedq.cli", "api", "--workers", "1"],
+                               env={**os.environ, **settings.to_env()}, stdout=log, stderr=subprocess.STDOUT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_until(lambda: _catches(api.pid, signum), 30, "the api to handle the signal", interval_s=0.01)
+        api.send_signal(signum)
+        # uvicorn's handlers, had they taken it, shut down gracefully with status 0.
+        assert api.wait(30) == status, log_path.read_text()
+        assert "Uvicorn running" not in log_path.read_text()
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait()
 
 
 def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model):

@@ -167,6 +167,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    _stop_on_signals_while_starting()  # until uvicorn's handlers take over (a graceful shutdown)
     import uvicorn
 
     from api.app import create_app
@@ -192,21 +193,26 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def _stop_while_starting(signum: int, frame) -> None:
-    # Nothing runs yet: exit now, the engine core process with us (ProcessCoreClient stops it).
+    # Nothing runs yet: exit now, a worker's engine core process with us (ProcessCoreClient stops it).
     raise SystemExit(128 + signum)
 
 
+def _stop_on_signals_while_starting() -> None:
+    """SIGINT and SIGTERM stop a process that is still starting (importing, building the
+    api's app, loading the engine) at once, until the server's or RQ's own handlers replace
+    these. Set even where SIGINT came in ignored (a process started in a script's
+    background), where it would otherwise be lost until those handlers took over."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop_while_starting)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
+    _stop_on_signals_while_starting()  # until RQ's handlers take over (a drain) once it listens
     import redis
 
     from pagedq.front.core_client import EngineDeadError
     from worker.rq.batch_worker import run_worker
 
-    # Until RQ installs its own handlers (a drain) once the worker listens, SIGINT and SIGTERM
-    # stop a worker whose engine is loading. Set here even where SIGINT came in ignored (a
-    # worker started in a script's background), which it then was until RQ's took over.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stop_while_starting)
     settings = _settings(args)
     try:
         run_worker(settings)
