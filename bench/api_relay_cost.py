@@ -39,24 +39,26 @@ import redis.asyncio
 
 from pagedq.bench.serve import process_cpu_seconds
 from pagedq.local_service import spawn
-from pagedq.redis_schema import EVENT_DELTA, EVENT_END, stream_key
+from pagedq.redis_schema import DELTA_ARGS, EVENT_END, PUBLISH_STEP_SCRIPT, WRITTEN_KEY, publish_end, stream_key
 from pagedq.redis_server import free_port, redis_url_or_start
 from pagedq.settings import Settings
 from rq.job import Job
 
 
 def _feed(url: str, seq_ids: list[str], rounds: int, interval_s: float) -> None:
+    """Writes as the worker does: one PUBLISH_STEP_SCRIPT call per round, its deltas announced
+    with their entries (the hub relays them from the announcement, reading no job stream)."""
     connection = redis.Redis.from_url(url)
+    keys = [key for seq_id in seq_ids for key in (Job.key_for(seq_id), stream_key(seq_id))] + [WRITTEN_KEY]
     for round_index in range(rounds):
-        with connection.pipeline(transaction=False) as pipeline:
-            for seq_id in seq_ids:
-                pipeline.xadd(stream_key(seq_id), {"type": EVENT_DELTA, "index": "0", "text": " word",
-                                                   "num_tokens": str(round_index + 1), "ids": "123"})
-            pipeline.execute()
+        # Per job: unfenced, one delta of DELTA_ARGS (index, text, num_tokens, new, logprobs, check, ids, first_token).
+        delta = ["", 1, 0, " word", round_index + 1, int(round_index == 0), "", 0, "123", time.time()]
+        assert len(delta) == 2 + DELTA_ARGS
+        connection.eval(PUBLISH_STEP_SCRIPT, len(keys), *keys, 600, *(delta * len(seq_ids)))
         time.sleep(interval_s)
     with connection.pipeline(transaction=False) as pipeline:
         for seq_id in seq_ids:
-            pipeline.xadd(stream_key(seq_id), {"type": EVENT_END, "status": "finished", "finish_reason": "length"})
+            publish_end(pipeline, seq_id, "finished", 600, finish_reason="length")
         pipeline.execute()
 
 
