@@ -2,7 +2,8 @@
 (kernels.cpu_attention), and the per-layer elementwise ops (kernels.cpu_elementwise), built
 as one extension with torch's cpp_extension at first use and cached (under
 TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions): a first build takes about a
-minute, later processes load it in a fraction of a second. It is compiled for the CPU it
+minute, later processes load it in a fraction of a second, one process at a time (a lock
+that dies with its holder: `_building`). It is compiled for the CPU it
 runs on (-march=native), so the build name carries a digest of the CPU's flags. Where it
 cannot be built (no C++ compiler), `load()` says why and the engine falls back to pure
 PyTorch. PAGEDQ_CPU_KERNEL=0 skips it.
@@ -10,6 +11,7 @@ PyTorch. PAGEDQ_CPU_KERNEL=0 skips it.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -17,6 +19,8 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -65,11 +69,29 @@ def load() -> bool:
         # PATH when the virtualenv is used without being activated.
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name=build_name(SOURCES, HEADERS), sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS,
-                       is_python_module=False)
+        name = build_name(SOURCES, HEADERS)
+        # torch's own directory for the build (its default, or under TORCH_EXTENSIONS_DIR).
+        build_directory = Path(_get_build_directory(name, verbose=False))
+        with _building(build_directory):
+            load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS,
+                           is_python_module=False, build_directory=str(build_directory))
     except Exception as exc:  # a missing compiler, a failed build: the pure-PyTorch paths still run
         logger.warning("the C++ CPU kernels are unavailable (%s); using the PyTorch paths", exc)
         return False
     return True
+
+
+@contextmanager
+def _building(build_directory: Path) -> Iterator[None]:
+    """Holds the build directory for one process's build or load. torch's own lock (a file
+    `lock` it creates and deletes) outlives a process killed while it builds, and every later
+    load then waits for it forever: each worker start on the machine hung. This lock is the
+    kernel's (flock), let go when its holder dies however it dies; a torch `lock` found while
+    holding it is one such dead process's, and is removed."""
+    with open(build_directory / "pagedq.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
+        yield

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +140,25 @@ def test_falls_back_to_pytorch_where_the_kernel_cannot_build(monkeypatch, tmp_pa
         assert get_attention_backend("auto", "cpu").name == "torch"
     finally:
         cpu_extension.load.cache_clear()
+
+
+def test_a_build_killed_midway_does_not_stall_the_next_load(tmp_path):
+    """torch's build lock (a `lock` file) is left behind by a process killed while it builds
+    the kernels (a worker stopped while its engine loads), and torch waits for it to go away
+    forever: every later engine start hung. Loading past a leftover lock, here in a copy of
+    this session's build, succeeds and removes it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    assert cpu_extension.load()
+    name = cpu_extension.build_name()
+    build = tmp_path / name
+    shutil.copytree(_get_build_directory(name, verbose=False), build)  # built: loading it compiles nothing
+    (build / "lock").touch()
+    loaded = subprocess.run([sys.executable, "-c", "from kernels import cpu_extension; assert cpu_extension.load()"],
+                            env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}, cwd=Path(__file__).parents[1],
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert not (build / "lock").exists()
 
 
 def test_the_kernel_is_built_with_openmp():
