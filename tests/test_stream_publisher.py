@@ -213,15 +213,15 @@ def test_every_write_to_a_stream_is_announced_with_the_streams_it_wrote(redis):
     publisher = ProgressPublisher(redis, stream_ttl_s=600, progress_interval_s=0.0)
     seq_ids = ["announce-a", "announce-b", "announce-not-ours"]
     for seq_id in seq_ids:
-        publisher.track(_job(redis, seq_id))
+        # Owned by another execution (its job hash names none): nothing written, nothing announced.
+        publisher.track(_job(redis, seq_id), fence="another:execution" if seq_id == "announce-not-ours" else UNFENCED)
         request = _Outputs(seq_id, 2, False)
         request.completions[0].token_ids.append(1)
         request.completions[1].token_ids.append(2)
         publisher.update(seq_id, request.output())
     before = last_id()
     pipeline = redis.pipeline(transaction=False)
-    # Owned by another execution (its job hash names none): nothing written, nothing announced.
-    sending = publisher.publish(pipeline, lambda seq_id: "another:execution" if seq_id == "announce-not-ours" else UNFENCED)
+    sending = publisher.publish(pipeline)
     assert publisher.published(sending, pipeline.execute()[-1]) == ["announce-not-ours"]
     assert [sorted(keys) for keys in announced_since(before)] == [[stream_key("announce-a"), stream_key("announce-b")]]
     assert redis.xlen(stream_key("announce-a")) == 2  # one delta per output, the stream named once

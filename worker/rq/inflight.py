@@ -75,7 +75,7 @@ class InFlightJobs:
     def add(self, entry: InFlight) -> None:
         """A job the engine has just been given."""
         self._entries[entry.request_id] = entry
-        self._publisher.track(entry.job, stream=entry.payload.stream)
+        self._publisher.track(entry.job, stream=entry.payload.stream, fence=entry.execution.composite_key)
 
     def remove(self, entry: InFlight) -> None:
         """A job done with here whose request the engine has finished (or never had)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -71,6 +70,9 @@ class _Published:
     job: Job
     # Deltas every stream_interval_s (else every progress_interval_s: nobody streams them).
     stream: bool
+    # The composite key of the job's execution, whose ownership the script checks before
+    # writing (UNFENCED: none).
+    fence: str
     output: RequestOutput | None = None
     first_token: float | None = None
     # How much of each output (by index) the stream has.
@@ -155,10 +157,12 @@ class ProgressPublisher:
         start_progress(pipeline, job, prompt_tokens, self.stream_ttl_s)
         self.track(job, stream)
 
-    def track(self, job: Job, stream: bool = True) -> None:
+    def track(self, job: Job, stream: bool = True, fence: str = UNFENCED) -> None:
         """Follow a job start_progress() has started. `stream` false: nobody follows its
-        deltas as they come, so they go at progress_interval_s (JobPayload.stream)."""
-        self._jobs[job.id] = _Published(job, stream)
+        deltas as they come, so they go at progress_interval_s (JobPayload.stream). `fence`:
+        its execution's composite key, each write for it then made only while that
+        execution owns the job (redis_schema.owns())."""
+        self._jobs[job.id] = _Published(job, stream, fence)
         self._dirty.discard(job.id)
 
     def update(self, seq_id: str, output: RequestOutput) -> None:
@@ -175,12 +179,12 @@ class ProgressPublisher:
         state = self._jobs.get(seq_id)
         return state is None or state.delta_due(time.monotonic())
 
-    def publish(self, pipeline: Pipeline, fence: Callable[[str], str] | None = None) -> Sending:
+    def publish(self, pipeline: Pipeline) -> Sending:
         """Queue everything recorded since the last send into `pipeline` as one script
-        call; once the pipeline has run, pass its reply to published() (or the Sending to
-        failed() if Redis refused the script, uncertain() if the reply was lost). `fence(seq_id)`:
-        the composite key of the job's execution, whose ownership the script checks before writing
-        (None: unfenced). Only one Sending may be in flight: the next publish() follows one of those."""
+        call, each job's writes fenced as track() was told; once the pipeline has run, pass
+        its reply to published() (or the Sending to failed() if Redis refused the script,
+        uncertain() if the reply was lost). Only one Sending may be in flight: the next
+        publish() follows one of those."""
         sending = Sending()
         if not self._dirty:
             return sending
@@ -210,7 +214,7 @@ class ProgressPublisher:
                 continue
             state.next_delta_at = now + (self.stream_interval_s if state.stream else self.progress_interval_s)
             keys += [state.job.key, stream_key(seq_id)]
-            args += [fence(seq_id) if fence else UNFENCED, len(deltas), *(arg for delta in deltas for arg in delta.args())]
+            args += [state.fence, len(deltas), *(arg for delta in deltas for arg in delta.args())]
             sending.jobs.append(seq_id)
             sending.counts[seq_id] = ([len(c.text) for c in outputs], [len(c.token_ids) for c in outputs])
         if sending.jobs:
@@ -243,7 +247,7 @@ class ProgressPublisher:
                 self._dirty.add(seq_id)
 
     def flush(self) -> None:
-        """Send everything recorded so far, in one round trip (unfenced)."""
+        """Send everything recorded so far, in one round trip."""
         with self.connection.pipeline(transaction=False) as pipeline:
             sending = self.publish(pipeline)
             try:

@@ -208,9 +208,8 @@ class RoundTrips:
         job (else only when a check is due)."""
         full = full or time.monotonic() >= self._next_full_check
         pending = PendingSync(checked=self._inflight.running() if full else [], full=full)
-        fences = {entry.job.id: entry.execution.composite_key for entry in self._inflight}
         pipeline = self._worker.connection.pipeline(transaction=False)
-        pending.sending = self._publisher.publish(pipeline, fences.__getitem__)
+        pending.sending = self._publisher.publish(pipeline)
         pending.finishing = self._inflight.finishing()
         if pending.finishing:
             queue_fenced_commands(pipeline, [outcomes.success(self._worker, entry, self._heartbeat_ttl_s, self._stream_ttl_s)
