@@ -191,6 +191,18 @@ def test_serve_starts_its_own_service_and_compares_with_offline(model_dir, tmp_p
     assert f", offline {offline['engine_steps']} (" in out
 
 
+def test_the_cpu_line_gives_a_service_over_offline_ratio_only_for_a_service_of_its_own():
+    from pagedq.bench.serve import cpu_seconds_line
+
+    own = {"worker": 1.5, "api": 1.7, "engine core": 3.9, "redis": 0.6, "client": 0.9}
+    assert cpu_seconds_line(own, {"cpu_seconds": 3.6}) == (
+        "CPU seconds of the timed serve run: worker 1.5, api 1.7, engine core 3.9, redis 0.6, client 0.9; "
+        "offline 3.6; service (worker, its engine core, api, redis) / offline: 2.14x")
+    # At --url the service is another's: its CPU is unknown, not zero (it printed 0.00x).
+    assert cpu_seconds_line({"client": 0.8}, {"cpu_seconds": 3.5}) == "CPU seconds of the timed serve run: client 0.8; offline 3.5"
+    assert cpu_seconds_line({"client": 0.8}, None) == "CPU seconds of the timed serve run: client 0.8"
+
+
 @pytest.mark.parametrize("pace", [[], ["--request-rate", "200"]])
 def test_submit_times_every_request_and_leaves_the_jobs_queued(model_dir, tmp_path, capsys, pace):
     report = tmp_path / "submit.json"

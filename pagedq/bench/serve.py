@@ -305,6 +305,19 @@ def serve_table(serve: dict, offline: dict | None) -> str:
     return format_table(header, rows) + "\n(latencies in ms)"
 
 
+def cpu_seconds_line(cpu: dict[str, float], offline: dict | None) -> str:
+    """Each process's CPU seconds in the timed serve run, the offline run's, and the service's
+    over the offline run's: not for a service at --url (another's, of which only the client
+    is measured)."""
+    line = "CPU seconds of the timed serve run: " + ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
+    if offline is not None and offline.get("cpu_seconds"):
+        line += f"; offline {offline['cpu_seconds']:.1f}"
+        service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
+        if service_cpu:
+            line += f"; service (worker, its engine core, api, redis) / offline: {service_cpu / offline['cpu_seconds']:.2f}x"
+    return line
+
+
 def engine_steps_line(serve: dict, offline: dict | None) -> str:
     """The steps each engine took for the same tokens: the service's engine takes more when
     its batches run less full (jobs reach it as the front accepts and starts them)."""
@@ -352,14 +365,7 @@ def run(args: argparse.Namespace) -> int:
     if ratio is not None:
         print(f"\nserve / offline output throughput: {ratio:.2f}x")
     if serve.get("cpu_s"):
-        cpu = serve["cpu_s"]
-        line = ", ".join(f"{name} {seconds:.1f}" for name, seconds in cpu.items())
-        print(f"CPU seconds of the timed serve run: {line}", end="")
-        if offline is not None and offline.get("cpu_seconds"):
-            service_cpu = sum(seconds for name, seconds in cpu.items() if name != "client")
-            print(f"; offline {offline['cpu_seconds']:.1f}; service (worker, its engine core, api, redis) / offline: "
-                  f"{service_cpu / offline['cpu_seconds']:.2f}x", end="")
-        print()
+        print(cpu_seconds_line(serve["cpu_s"], offline))
     if "engine_steps" in serve:
         print(engine_steps_line(serve, offline))
     if serve["tokens_per_event"] is not None:
