@@ -3,7 +3,8 @@ Starts Redis and one `pagedq api`.
 
 Per event (the default): creates STREAMS running jobs, opens GET /stream on each (aiohttp
 clients in this process), and writes their deltas straight into Redis from a feeder
-process, one per stream every --interval-ms for --rounds rounds, then each one's end.
+process as a worker writes them (one script call a round, announced with the entries), one
+per stream every --interval-ms for --rounds rounds, then each one's end.
 Prints the api's and Redis's CPU seconds per event. Steadier than `pagedq bench serve` for
 the relay's own cost (a spread of about 5% between runs here, against 15%), as nothing else
 competes.
@@ -15,6 +16,7 @@ opening and closing, with one event relayed.
 
     python bench/api_relay_cost.py --model DIR [--streams 256] [--rounds 150] [--interval-ms 20]
     python bench/api_relay_cost.py --model DIR --requests 1024
+    python bench/api_relay_cost.py --model DIR --py-spy api.txt   # and where the api's time goes
 
 Before/after: run it from each tree (`cd TREE && PYTHONPATH=TREE python bench/api_relay_cost.py ...`),
 alternated.
@@ -27,6 +29,10 @@ import asyncio
 import json
 import multiprocessing
 import random
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -100,6 +106,14 @@ async def _streams(base: str, seq_ids: list[str], feeder: multiprocessing.Proces
         return sum(await streams)
 
 
+def _py_spy(pid: int, path: str) -> subprocess.Popen:
+    executable = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    profiler = subprocess.Popen([executable, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                                 "--nonblocking", "--output", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)  # attached before the measurement starts
+    return profiler
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint the api loads (its tokenizer only)")
@@ -107,6 +121,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--requests", type=int, help="measure per request instead: this many at once")
+    parser.add_argument("--py-spy", metavar="PATH", help="also profile the api over the measurement with py-spy "
+                        "(on PATH or beside this interpreter), its raw samples written here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pagedq-relay-") as tmp:
         url, server = redis_url_or_start(None, Path(tmp) / "redis")
@@ -125,11 +141,15 @@ def main() -> None:
                 raise SystemExit(f"the api did not answer within a minute: {(Path(tmp) / 'api.log').read_text()[-2000:]}")
             api_before, redis_before = process_cpu_seconds(api.pid), process_cpu_seconds(server.process.pid)
             connections_before = redis.Redis.from_url(url).info("stats")["total_connections_received"]
+            profiler = _py_spy(api.pid, args.py_spy) if args.py_spy else None
             if args.requests:
                 chunks = asyncio.run(_requests(settings.base_url, url, args.requests))
             else:
                 chunks = _relay(url, settings.base_url, args)
             api_s = process_cpu_seconds(api.pid) - api_before
+            if profiler is not None:
+                profiler.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+                profiler.wait()
             redis_s = process_cpu_seconds(server.process.pid) - redis_before
             # This script's own (one, plus the feeder's or the clients' pool) among them.
             connections = redis.Redis.from_url(url).info("stats")["total_connections_received"] - connections_before
