@@ -19,6 +19,7 @@ from redis import Redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
+from rq.utils import as_text
 
 from pagedq.client import Client
 from pagedq.redis_server import RedisServer
@@ -322,6 +323,69 @@ def test_a_stalled_worker_writes_nothing_for_jobs_rerun_elsewhere(service, model
         assert text == client.result(seq_id)["text"]
         assert counts == sorted(counts)  # no stale `... 52 53 8 54 ...`
         assert job.meta["progress"]["attempt"] == 2
+
+
+def test_a_worker_that_takes_its_own_reaped_jobs_again_runs_each_once(model, tmp_path):
+    """A worker whose loop stalled past its heartbeat TTL reaps its own jobs and may take
+    them again (the I/O thread starts them, the loop hands them to the engine between steps)
+    before a check says the earlier runs are no longer its own. The earlier run of each is
+    dropped then: the publisher follows a job's stream by job id, and with two runs in flight
+    the old run's tokens went into the new run's stream, and dropping the old run later
+    forgot the new one's state (the worker died on a KeyError). In the worker's own loop, in
+    this process: the reap and the retake are done by hand, then the loop runs both jobs
+    to their end. Each finishes once, with the offline engine's tokens, and its stream's last
+    attempt holds exactly its text."""
+    from rq import Queue, Retry
+
+    from pagedq.redis_schema import JOB_FUNCTION
+    from worker.rq.batch_worker import BatchWorker
+    from worker.rq.engine_factory import build_engine
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    threads = torch.get_num_threads()
+    requests = long_requests(2, max_tokens=300)
+    seq_ids = ["retaken-0", "retaken-1"]
+    try:
+        redis = Redis.from_url(redis_server.url)
+        settings = service_settings(model, redis_server.url, tmp_path, queue_name="retaken", job_retries=2)
+        queue = Queue("retaken", connection=redis, serializer=JSONSerializer)
+        for seq_id, body in zip(seq_ids, requests):
+            kwargs = {"prompt": None, "prompt_token_ids": body["prompt_token_ids"], "beam": None, "priority": 0,
+                      "sampling": {"max_tokens": body["max_tokens"], "temperature": 0, "ignore_eos": True},
+                      "enqueued_at": time.time(), "stream": True}
+            queue.enqueue_job(queue.create_job(JOB_FUNCTION, kwargs=kwargs, job_id=seq_id, retry=Retry(max=2)))
+        worker = BatchWorker(build_engine(settings), settings, Redis.from_url(redis_server.url))
+        worker.bootstrap()
+        try:
+            wait_until(lambda: worker._tick() or all(redis.xlen(f"pagedq:stream:{s}") > 3 for s in seq_ids), 30,
+                       "both jobs to stream here")
+            if worker._pending is not None:
+                worker._take_pending()
+            # The stall: every execution expired; its own reaper requeues the jobs (a retry each).
+            registry = queue.started_job_registry
+            redis.zadd(registry.key, {member: 1 for member in redis.zrange(registry.key, 0, -1)})
+            worker.reaper.reap()
+            assert queue.count == 2
+            # Taken again and handed to the engine while the earlier runs are still in flight.
+            worker._hand_all(worker._start_jobs([as_text(redis.lmove(queue.key, queue.intermediate_queue_key))
+                                                 for _ in seq_ids]))
+            wait_until(lambda: worker._tick() or all(job.get_status(refresh=False) == "finished"
+                                                     for job in jobs(redis, seq_ids)), 60, "both to finish")
+        finally:
+            worker.teardown()
+        expected = offline_greedy(model, requests)
+        for seq_id, job, tokens in zip(seq_ids, jobs(redis, seq_ids), expected):
+            result = job.latest_result().return_value
+            assert result["token_ids"] == tokens and len(job.results()) == 1
+            events = [(fields[b"type"].decode(), fields) for _, fields in redis.xrange(f"pagedq:stream:{seq_id}")]
+            kinds = [kind for kind, _ in events]
+            assert kinds.count("end") == 1 and kinds[-1] == "end", (seq_id, kinds[-5:])
+            rerun = max(i for i, kind in enumerate(kinds) if kind == "reset")
+            text = "".join(fields[b"text"].decode() for kind, fields in events[rerun:] if kind == "delta")
+            assert text == result["text"]
+    finally:
+        torch.set_num_threads(threads)
+        redis_server.stop()
 
 
 def test_a_failure_or_drain_writes_nothing_for_a_job_rerun_elsewhere(model, tmp_path):

@@ -343,6 +343,11 @@ class BatchWorker(BaseWorker):
 
     def _hand_to_engine(self, item: Started) -> None:
         job, execution = item.job, item.execution
+        earlier = self.inflight.of_job(job.id)
+        if earlier is not None:
+            # Reaped after a stall of this worker (its heartbeats stopped) and taken again by
+            # it, before a check said the earlier run was no longer its own: that run is not.
+            self._drop([earlier])
         queue = self._queues_by_name.get(job.origin, self.queue)
         self.executions[execution.id] = execution
         # Before the engine has it: a core in its own process may time the first token before add_to returns.

@@ -58,6 +58,10 @@ class InFlightJobs:
         self._metrics = metrics
         self._log = log
         self._entries: dict[str, InFlight] = {}
+        # The one run of each job here (by job id): a job this worker runs again is taken
+        # again only once its earlier run is dropped (of_job()), so the publisher, which
+        # follows a job's stream by job id, follows one run.
+        self._runs: dict[str, InFlight] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,14 +76,21 @@ class InFlightJobs:
     def get(self, request_id: str) -> InFlight | None:
         return self._entries.get(request_id)
 
+    def of_job(self, job_id: str) -> InFlight | None:
+        """The job's run in flight here, if any."""
+        return self._runs.get(job_id)
+
     def add(self, entry: InFlight) -> None:
-        """A job the engine has just been given."""
+        """A job the engine has just been given (its earlier run here, if any, dropped first)."""
+        assert entry.job.id not in self._runs, f"{entry.job.id} is in flight here already"
         self._entries[entry.request_id] = entry
+        self._runs[entry.job.id] = entry
         self._publisher.track(entry.job, stream=entry.payload.stream, fence=entry.execution.composite_key)
 
     def remove(self, entry: InFlight) -> None:
         """A job done with here whose request the engine has finished (or never had)."""
         del self._entries[entry.request_id]
+        del self._runs[entry.job.id]
         self._publisher.forget(entry.job.id)
 
     def abort(self, entries: list[InFlight]) -> None:
