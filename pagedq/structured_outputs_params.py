@@ -16,10 +16,14 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from pagedq.request_rules import ValidInput
+from pagedq.request_rules import MAX_JSON_DEPTH, ValidInput, json_too_deep
 
 _KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 _NAMES = {kind: "json" if kind == "json_schema" else kind for kind in _KINDS}
+# The deepest nesting of groups a schema's `pattern` may have: xgrammar refuses deeper regexes
+# of its own (the `regex` kind), but converts a schema's patterns without that check, and one
+# nested ~25,000 deep overflowed its C stack: the api process died (SIGSEGV).
+MAX_PATTERN_NESTING = 1000
 # xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the user needs what follows.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -64,6 +68,7 @@ class StructuredOutputsParams(ValidInput):
         try:
             if kind == "json":
                 schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+                _check_schema_shape(schema)
                 return xgr.Grammar.from_json_schema(schema, any_whitespace=not self.disable_any_whitespace)
             if kind == "json_object":
                 if self.disable_any_whitespace:
@@ -83,6 +88,53 @@ def preload_grammar_engine() -> None:
     request with a shape does not stall every other request behind that import. The api
     calls it on a thread at startup, the worker before it takes jobs."""
     import xgrammar  # noqa: F401
+
+
+def _check_schema_shape(schema: str) -> None:
+    """Refuses a schema whose conversion would take the process down or hold it: nested
+    deeper than a request body may be (its conversion time grows steeply with depth: 14 ms at
+    64 levels, 3 s at 400, a minute at 1,000; a schema given as text escaped the body's check),
+    or with a pattern nested deeper than MAX_PATTERN_NESTING."""
+    if json_too_deep(schema):
+        raise ValueError(f"the schema nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        return  # xgrammar says what is wrong with it
+    stack = [parsed]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+            if isinstance(node.get("patternProperties"), dict):
+                patterns += list(node["patternProperties"])
+            for pattern in patterns:
+                if _group_nesting(pattern) > MAX_PATTERN_NESTING:
+                    raise ValueError(f"a pattern nests groups more than {MAX_PATTERN_NESTING} deep")
+            stack.extend(node.values())
+
+
+def _group_nesting(pattern: str) -> int:
+    """How deep a regex's groups nest (escapes and character classes skipped)."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+    return deepest
 
 
 def _grammar_from_text(xgr, text: str):

@@ -245,6 +245,24 @@ def test_a_shape_that_does_not_convert_is_refused_naming_it(shape, field):
         SamplingParams(structured_outputs=shape)
 
 
+_DEEP_GROUPS = "(" * 30_000 + "a" + ")" * 30_000
+
+
+@pytest.mark.parametrize("schema, why", [
+    # Converted as is, this pattern overflowed xgrammar's C stack: the api died (SIGSEGV).
+    ({"type": "string", "pattern": _DEEP_GROUPS}, "a pattern nests groups more than 1000 deep"),
+    ({"type": "object", "patternProperties": {_DEEP_GROUPS: {}}}, "a pattern nests groups more than 1000 deep"),
+    # As text it escaped the body's depth check, and took 3 s to convert at 400 levels, a minute at 1,000.
+    ('{"type": "array", "items": ' * 400 + "{}" + "}" * 400, "the schema nests deeper than 64 levels"),
+])
+def test_a_schema_too_deep_to_convert_safely_is_refused_naming_it(schema, why):
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs.json: {why}")):
+        SamplingParams(structured_outputs={"json": schema})
+    # Groups inside character classes and escaped parentheses are not groups.
+    pattern = "[(]" * 2000 + r"\(" * 2000 + "(a(b))"
+    assert SamplingParams(structured_outputs={"json": {"type": "string", "pattern": pattern}}).structured_outputs
+
+
 def test_add_request_message_carries_the_new_fields():
     from pagedq.core.messages import encoder, input_decoder
 
