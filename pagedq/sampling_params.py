@@ -16,6 +16,13 @@ from pagedq.structured_outputs_params import StructuredOutputsParams
 # vLLM clamps each logit_bias value to this range (as OpenAI's API defines it).
 LOGIT_BIAS_LIMIT = 100.0
 
+# The most stop strings, and the most bad words, a request may give: each one costs work at
+# every step of every output (a stop string searched for in the new text, a bad word's prefix
+# compared with the output's end), so one request's long list slowed every other request's
+# steps (10,000 stop strings stalled a bystander's stream 2.4 s; 20,000 bad words, 40 ms a
+# step). vLLM sets no limit; OpenAI's API allows 4 stop strings.
+MAX_STRINGS = 1024
+
 # Sampling with these settings is deterministic argmax.
 _GREEDY_EPS = 1e-5
 
@@ -32,7 +39,7 @@ class SamplingParams(ValidInput):
     top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(None, description=f"At most {MAX_STRINGS} strings.")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context length.")
@@ -50,7 +57,8 @@ class SamplingParams(ValidInput):
     )
     allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Only these tokens may be sampled.")
     bad_words: list[StrictStr] | None = Field(
-        None, description="Words never generated: a word's last token is banned wherever its other tokens precede it."
+        None, max_length=MAX_STRINGS,
+        description="Words never generated: a word's last token is banned wherever its other tokens precede it.",
     )
     structured_outputs: StructuredOutputsParams | None = Field(
         None, description="The output follows a JSON schema, a regex, a choice or a grammar (vLLM's field)."
@@ -67,7 +75,16 @@ class SamplingParams(ValidInput):
         items = [value] if isinstance(value, str) else (value or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
+        if len(items) > MAX_STRINGS:
+            raise ValueError(f"at most {MAX_STRINGS} stop strings (got {len(items)})")
         return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_once_each(cls, value: list[int] | None):
+        """Each id once: the sampler masks every listed id of every output at every step, and
+        150,000 repeats of a few ids in one request slowed every other request's steps."""
+        return None if value is None else list(dict.fromkeys(value))
 
     @field_validator("logit_bias", mode="before")
     @classmethod

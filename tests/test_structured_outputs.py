@@ -220,6 +220,31 @@ def test_logit_bias_allowed_token_ids_and_bad_words(model, overlap):
     assert banned != greedy
 
 
+def test_long_token_rule_lists_cost_what_their_distinct_items_cost(model):
+    """One request's lists are work at every step of every request in its batch: at most
+    MAX_STRINGS stop strings and bad words (a 4xx naming the field past that), each allowed
+    token id once, and a long bad-word list tokenized in one batch and de-duplicated in
+    linear time (20,000 words took minutes, by list search, on the worker's loop)."""
+    from pagedq.sampling_params import MAX_STRINGS
+
+    for field in ("stop", "bad_words"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: [f"w{i}" for i in range(MAX_STRINGS + 1)]})
+        assert len(getattr(SamplingParams(**{field: [f"w{i}" for i in range(MAX_STRINGS)]}), field)) == MAX_STRINGS
+    assert SamplingParams(allowed_token_ids=[7, 3, 7] * 50_000 + [5]).allowed_token_ids == [7, 3, 5]
+    llm = LLM(model, dtype="float32", device="cpu")
+    tokenizer = llm.get_tokenizer()
+    words = [f"w{i} x{i}" for i in range(MAX_STRINGS // 2)] * 2
+    sequences = llm.llm_engine.input_processor.bad_words_token_ids(SamplingParams(bad_words=words))
+    expected = []  # vLLM V1's two spellings of each word, each sequence once, in order
+    for word in words:
+        for spelling in (word, " " + word):
+            ids = tokenizer.encode(spelling, add_special_tokens=False)
+            if ids not in expected:
+                expected.append(ids)
+    assert sequences == expected
+
+
 def test_token_rules_refuse_ids_outside_the_vocabulary(model):
     llm = LLM(model, dtype="float32", device="cpu")
     vocab = llm.llm_engine.vocab_size

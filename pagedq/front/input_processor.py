@@ -81,10 +81,13 @@ class InputProcessor:
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word as the token sequences it can appear as: alone, and after a space
         (vLLM V1's two spellings; a leading-space token is a different id in BPE vocabularies)."""
-        sequences: list[list[int]] = []
-        for word in params.bad_words or ():
-            for spelling in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+        spellings = [spelling for word in params.bad_words or () for spelling in (word, " " + word.lstrip())]
+        if not spellings:
+            return []
+        # One batch call, and duplicates found in a set: a list of 20,000 words, tokenized one
+        # by one and de-duplicated by list search, held the worker's loop for minutes.
+        sequences: dict[tuple[int, ...], None] = {}
+        for ids in self.tokenizer(spellings, add_special_tokens=False)["input_ids"]:
+            if ids:
+                sequences.setdefault(tuple(ids))
+        return [list(ids) for ids in sequences]
