@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, m
 
 from api.tool_calls.schemas import Tool, ToolCall, ToolChoice
 from pagedq.protocol import GenerateRequest
-from pagedq.request_rules import ValidInput, describe_invalid
+from pagedq.request_rules import INT64_MAX, INT64_MIN, ValidInput, describe_invalid
 from pagedq.structured_outputs_params import StructuredOutputsParams
 
 # Fields passed on to SamplingParams under the same name.
@@ -129,7 +129,7 @@ class _OpenAIRequest(ValidInput):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    priority: int = Field(0, description="vLLM's request priority: lower runs earlier.")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="vLLM's request priority: lower runs earlier.")
 
     @model_validator(mode="after")
     def _supported(self) -> _OpenAIRequest:

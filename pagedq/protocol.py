@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 from pagedq.beam_search import BeamSearchParams
 from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from pagedq.redis_schema import InvalidJob, JobState
-from pagedq.request_rules import ValidInput, describe_invalid
+from pagedq.request_rules import INT64_MAX, INT64_MIN, ValidInput, describe_invalid
 from pagedq.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class GenerateRequest(SamplingParams):
         None, description="Instead of prompt: a conversation, rendered through the checkpoint's chat template "
         "with the assistant's turn opened.",
     )
-    priority: int = Field(0, description="Lower runs earlier (vLLM's convention).")
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, description="Lower runs earlier (vLLM's convention).")
     stream: bool = Field(
         True, description="false: nobody will follow GET /stream (the client polls GET /result): the job's "
         "partial result is written every PAGEDQ_PROGRESS_INTERVAL_S, not every engine step, and its stream keeps "
@@ -113,7 +113,7 @@ class JobPayload(ValidInput):
     sampling: SamplingParams
     # Set for beam search, which then replaces sampling.
     beam: BeamSearchParams | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     enqueued_at: float
     # False: nobody follows the job's tokens as they come (a batch line, a polling client):
     # its deltas (its partial result) go to its Redis stream every progress_interval_s, not

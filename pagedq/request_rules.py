@@ -11,10 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-# Seeds are int64, as vLLM's (torch.iinfo(torch.long)). The n outputs of a request use
+# A request's integers are int64, as the engine carries them (torch's long, msgspec's
+# widest): a larger top_k, priority or min_tokens passed validation and failed its job in
+# the engine. Seeds too, as vLLM's (torch.iinfo(torch.long)): the n outputs of a request use
 # seed + index, and a torch generator takes up to 2**64 - 1, so no n ever overflows it.
-SEED_MIN = -(2**63)
-SEED_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 
 
 _TEXTUAL = (str, list, tuple, dict)

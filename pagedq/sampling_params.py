@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, StrictStr, field_validator, model_validator
 
-from pagedq.request_rules import SEED_MAX, SEED_MIN, ValidInput
+from pagedq.request_rules import INT64_MAX, INT64_MIN, ValidInput
 from pagedq.structured_outputs_params import StructuredOutputsParams
 
 # vLLM clamps each logit_bias value to this range (as OpenAI's API defines it).
@@ -36,14 +36,14 @@ class SamplingParams(ValidInput):
     repetition_penalty: float = Field(1.0, gt=0.0)
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1 disables top-k.")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0 or -1 disables top-k.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: StrictStr | list[StrictStr] | None = Field(None, description=f"At most {MAX_STRINGS} strings.")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = Field(16, ge=1, description="None: up to the model's context length.")
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="None: up to the model's context length.")
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=20)
     prompt_logprobs: int | None = Field(
         None, ge=0, le=20,
