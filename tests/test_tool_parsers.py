@@ -86,10 +86,25 @@ def test_a_marker_split_across_pieces_never_leaks_into_content():
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1'),  # cut off (finish_reason length)
     ("llama3_json", '{"parameters": {"a": 1}}'),  # no name
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": [1, 2]}]'),  # arguments not an object
+    # Nested past Python's stack (json.loads raised RecursionError: a 500).
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"),
 ])
 def test_malformed_calls_leave_the_whole_text_as_content_as_vllm(parser, text):
     message, finish_reason = auto(parser).message(text, "length")
     assert message == {"role": "assistant", "content": text} and finish_reason == "length"
+
+
+def test_an_assistant_turns_arguments_nested_too_deep_are_refused_naming_them():
+    """A request's earlier tool call with arguments nested 3,000 deep: json.loads raised a
+    RecursionError (a 500, the connection dropped); now a 4xx naming the field."""
+    from pydantic import ValidationError
+
+    from api.tool_calls.schemas import ToolCall
+
+    with pytest.raises(ValidationError, match="function.arguments") as caught:
+        ToolCall.model_validate({"id": "c1", "type": "function",
+                                 "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}})
+    assert "nests deeper than 64 levels" in str(caught.value)
 
 
 def test_forced_shapes_named_and_required():

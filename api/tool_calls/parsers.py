@@ -189,7 +189,7 @@ def _checked(text: str, final: bool, parsed: Parsed) -> Parsed:
             return Parsed(text)
         try:
             arguments = json.loads(call.arguments or "{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's text nested past Python's stack is not a call either
             return Parsed(text)
         if not isinstance(arguments, dict):
             return Parsed(text)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, StrictStr, field_validator
 
-from pagedq.request_rules import ValidInput
+from pagedq.request_rules import MAX_JSON_DEPTH, ValidInput, json_too_deep
 
 
 class _Strict(ValidInput):
@@ -46,6 +46,10 @@ class FunctionCall(_Strict):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
+        # The body's depth limit does not see into this text: 3,000 nested brackets raised a
+        # RecursionError in json.loads, a 500.
+        if json_too_deep(value):
+            raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
         try:
             if isinstance(json.loads(value), dict):
                 return value
