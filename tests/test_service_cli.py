@@ -111,9 +111,34 @@ def test_client_commands_without_a_server_fail_with_a_message(argv, capsys):
     assert time.monotonic() - started < 20
 
 
+@pytest.mark.parametrize("argv, message", [
+    # float() takes these; no JSON body can carry them (the client raised ValueError).
+    (["submit", "--temperature", "nan", "hi"], "argument --temperature: must be a finite number, not 'nan'"),
+    (["submit", "--top-p", "inf", "hi"], "argument --top-p: must be a finite number, not 'inf'"),
+    # A terminal's undecodable bytes reach Python as lone surrogates (UnicodeEncodeError).
+    (["submit", "\udced\udca0\udc80"], "argument prompt: not valid UTF-8 text (at character 0)"),
+    (["submit", "--idempotency-key", "\u00e9", "hi"], "argument --idempotency-key: must be 1-255 printable ASCII"),
+])
+def test_arguments_no_request_can_carry_are_refused_before_sending(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--url", f"http://127.0.0.1:{free_port()}"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_malformed_url_is_a_message_not_a_traceback(capsys):
+    assert main(["submit", "hi", "--url", "http://[::1"]) == 1  # httpx.InvalidURL escaped before
+    assert "--url http://[::1: Invalid port" in capsys.readouterr().err
+
+
 def test_servers_without_redis_or_model_fail_with_a_message(tiny_model_dir, capsys):
     unreachable = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["worker", "--model", str(tiny_model_dir()), "--redis-url", unreachable]) == 1
     assert f"cannot reach Redis at {unreachable}" in capsys.readouterr().err
     assert main(["api", "--model", str(Path("/nonexistent")), "--redis-url", unreachable]) == 1
     assert "not a local Hugging Face checkpoint directory" in capsys.readouterr().err
+
+
+def test_an_unknown_device_is_a_message_not_a_traceback(tiny_model_dir, redis_server, capsys):
+    """torch's RuntimeError for a device string it does not know reached the user as a traceback."""
+    assert main(["worker", "--model", str(tiny_model_dir()), "--redis-url", redis_server.url, "--device", "bogus"]) == 1
+    assert "device must be auto, cpu or cuda, got 'bogus'" in capsys.readouterr().err

@@ -46,7 +46,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's own message lists every device type it knows
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: CUDA was requested but no CUDA device is available")
     if device.type not in ("cuda", "cpu"):

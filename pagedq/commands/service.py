@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import tempfile
@@ -43,7 +44,7 @@ def register_start(subparsers) -> None:
         description="Queue one prompt; print its job id, or with --wait its answer, or with --stream the answer as "
         "it is generated. Sampling flags left out take the checkpoint's generation_config.json defaults.")
     client_flags(submit)
-    submit.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    submit.add_argument("prompt", type=utf8_text, help="the prompt text (with --chat: the user's message)")
     submit.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
     mode = submit.add_mutually_exclusive_group()
     mode.add_argument("--wait", action="store_true", help="wait for the job and print its text")
@@ -51,7 +52,8 @@ def register_start(subparsers) -> None:
     sampling_flags(submit)
     submit.add_argument("--top-k", type=int, help="sample from the k likeliest tokens only (-1 or 0: all)")
     submit.add_argument("--priority", type=int, help="lower runs earlier (default 0)")
-    submit.add_argument("--idempotency-key", help="the same key and prompt give the same job, however often sent")
+    submit.add_argument("--idempotency-key", type=idempotency_key,
+                        help="the same key and prompt give the same job, however often sent (1-255 printable ASCII characters)")
     submit.add_argument("--json", action="store_true", help="print the full JSON result")
     submit.set_defaults(handler=cmd_submit)
 
@@ -134,13 +136,42 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
                         "(PAGEDQ_TENSOR_PARALLEL_SIZE, default 1)")
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (float() takes "nan" and "inf", which no JSON body can carry)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
+
+
+def utf8_text(text: str) -> str:
+    """An argparse type: text that is valid UTF-8 (Python keeps an argument's undecodable bytes
+    as lone surrogates, which no request can carry)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text (at character {exc.start})") from None
+    return text
+
+
+def idempotency_key(text: str) -> str:
+    """An argparse type: what the api takes as an Idempotency-Key header (1-255 printable ASCII characters)."""
+    if not 1 <= len(text) <= 255 or not all("!" <= char <= "~" for char in text):
+        raise argparse.ArgumentTypeError("must be 1-255 printable ASCII characters, no spaces")
+    return text
+
+
 def sampling_flags(parser: argparse.ArgumentParser) -> None:
     """The sampling flags `pagedq submit` and `pagedq batch submit` share (SamplingParams' names)."""
     parser.add_argument("--max-tokens", type=int, help="most tokens to generate (per summary with --summarize)")
-    parser.add_argument("--temperature", type=float, help="0: greedy; higher: more varied (default: the checkpoint's)")
-    parser.add_argument("--top-p", type=float, help="sample from the likeliest tokens that make up this probability")
+    parser.add_argument("--temperature", type=finite_float,
+                        help="0: greedy; higher: more varied (default: the checkpoint's)")
+    parser.add_argument("--top-p", type=finite_float, help="sample from the likeliest tokens that make up this probability")
     parser.add_argument("--seed", type=int, help="seed the sampling, for a repeatable answer")
-    parser.add_argument("--stop", action="append", help="stop when the text contains this string (repeatable)")
+    parser.add_argument("--stop", action="append", type=utf8_text, help="stop when the text contains this string (repeatable)")
 
 
 def given_fields(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
@@ -283,6 +314,8 @@ def _print_up(service) -> None:
 @contextmanager
 def connect(args: argparse.Namespace) -> Iterator[Client]:
     """A Client for the command's URL/key; its errors become CommandErrors (clean message, exit 1)."""
+    import httpx
+
     from pagedq.client import Client, ClientError
 
     settings = _settings(args)
@@ -292,6 +325,8 @@ def connect(args: argparse.Namespace) -> Iterator[Client]:
             yield client
     except ClientError as exc:
         raise CommandError(exc.message if exc.status == 0 else str(exc)) from None
+    except httpx.InvalidURL as exc:
+        raise CommandError(f"--url {settings.base_url}: {exc}") from None
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
