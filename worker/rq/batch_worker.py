@@ -351,17 +351,22 @@ class BatchWorker(BaseWorker):
         queue = self._queues_by_name.get(job.origin, self.queue)
         self.executions[execution.id] = execution
         # Before the engine has it: a core in its own process may time the first token before add_to returns.
-        started_at = time.time()
+        entry = InFlight(job, queue, execution, item.payload, started_at=time.time())
         try:
             if item.error is not None:
                 raise item.error[1]
-            item.payload.add_to(self.engine, execution.id, self.publisher.report_every_s(item.payload.stream))
+            # In flight before the engine has it, and beaten meanwhile as in a step: a request's
+            # input processing (tokenizing, a grammar's conversion) can outlast the heartbeat
+            # TTL, and this job and every other here were reaped.
+            self.inflight.add(entry)
+            with self.heartbeats.step():
+                item.payload.add_to(self.engine, execution.id, self.publisher.report_every_s(item.payload.stream))
         except Exception:
+            if entry in self.inflight:
+                self.inflight.remove(entry)  # the engine refused it: never had it
             # Bad input (InvalidJob: the client's error) fails the same way on every attempt: never retried.
             job.retries_left = 0
             self._finalize_failure(job, queue, execution, sys.exc_info())
-            return
-        self.inflight.add(InFlight(job, queue, execution, item.payload, started_at=started_at))
 
     # ---- the engine step ------------------------------------------------------------
 

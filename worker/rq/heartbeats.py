@@ -46,7 +46,8 @@ class Heartbeats:
         self._during_steps.stop()
 
     def step(self) -> AbstractContextManager[None]:
-        """Around one engine step: beats from a thread if it runs long."""
+        """Around one engine step, or one request's hand-over to the engine (its input
+        processing): beats from a thread if it runs long."""
         return self._during_steps.step()
 
     def due(self) -> bool:

@@ -1,6 +1,7 @@
-"""Heartbeats while one engine step runs. The worker loop beats between steps, and one step
-can take longer than the heartbeat TTL (a 2048-token prefill chunk over a long context on
-a CPU core): its jobs would be reaped as a dead worker's, rerun, reaped again, and fail.
+"""Heartbeats while one engine step runs (or one request's hand-over to the engine: its input
+processing). The worker loop beats between steps, and one step can take longer than the
+heartbeat TTL (a 2048-token prefill chunk over a long context on a CPU core): its jobs would
+be reaped as a dead worker's, rerun, reaped again, and fail.
 
 A thread beats every third of the TTL while a step has been running that long: only while
 a step is in progress (the loop clears the mark under the lock the beat holds, so a beat
@@ -37,7 +38,8 @@ class StepHeartbeats:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Around one engine step (and nothing else: the beat reads the worker's state)."""
+        """Around one engine step or hand-over to the engine (and nothing that changes the
+        worker's jobs: the beat reads them)."""
         self._step_started = time.monotonic()
         try:
             yield
