@@ -1,5 +1,5 @@
 """The audit's hostile requests against a live `pagedq up`, a bystander streaming meanwhile."""
-import json, random, string, sys, threading, time
+import random, string, sys, threading, time
 import httpx
 B = sys.argv[1]
 deep = "(" * 30000 + "a" + ")" * 30000
@@ -22,7 +22,7 @@ bystander = {}
 def stream():
     with httpx.Client(base_url=B, timeout=120) as c:
         sid = c.post("/generate", json={"prompt": "bystander", "max_tokens": 300, "ignore_eos": True, "temperature": 0}).json()["seq_id"]
-        gaps, last, text = [], time.time(), ""
+        gaps, last = [], time.time()
         with c.stream("GET", f"/stream/{sid}") as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):

@@ -1,6 +1,6 @@
 """CPU per pipelined Redis round trip like a worker's (8 XADDs and a GET), over TCP loopback and over a
 Unix socket, client and redis-server, 3 alternated rounds: python redis_unix_socket_rt.py [N]."""
-import os, sys, time, subprocess, redis, resource
+import os, sys, time, subprocess, redis
 def proc_cpu(pid):
     f = open(f"/proc/{pid}/stat").read().split(")")[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
