@@ -198,7 +198,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
-    _stop_on_signals_while_starting()  # until uvicorn's handlers take over (a graceful shutdown)
+    before = _stop_on_signals_while_starting()
     import uvicorn
 
     from api.app import create_app
@@ -208,6 +208,10 @@ def cmd_api(args: argparse.Namespace) -> int:
         app = create_app(settings)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    # uvicorn's handlers take over now (a graceful shutdown). After it, uvicorn raises the
+    # signal again: that must do what it did before this process started, not exit 128 + it.
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
     if settings.api_workers == 1:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info",
                     access_log=not settings.disable_uvicorn_access_log)
@@ -228,13 +232,13 @@ def _stop_while_starting(signum: int, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _stop_on_signals_while_starting() -> None:
+def _stop_on_signals_while_starting() -> dict:
     """SIGINT and SIGTERM stop a process that is still starting (importing, building the
     api's app, loading the engine) at once, until the server's or RQ's own handlers replace
     these. Set even where SIGINT came in ignored (a process started in a script's
-    background), where it would otherwise be lost until those handlers took over."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stop_while_starting)
+    background), where it would otherwise be lost until those handlers took over. Returns
+    the handlers they replace."""
+    return {signum: signal.signal(signum, _stop_while_starting) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
