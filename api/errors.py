@@ -86,6 +86,10 @@ def redis_unavailable(exc: Exception, path: str = "") -> JSONResponse:
     )
 
 
+def _is_json(media_type: str) -> bool:
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
 def _field(error: dict) -> str:
     # Drop FastAPI's leading "body" so the field reads as the client spelled it.
     return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
@@ -125,6 +129,12 @@ def install_error_handlers(app: FastAPI) -> None:
         path = request.url.path
         if any(error.get("type") == "json_invalid" for error in errors):
             return error_response(400, "malformed JSON body: " + describe_validation_errors(errors), path=path)
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if not _is_json(media_type) and any(tuple(error.get("loc", ())) == ("body",) for error in errors):
+            # FastAPI reads a body as JSON only when it says it is: "Input should be a valid
+            # dictionary" named neither the body nor its type.
+            return error_response(415, f"the body must be JSON, sent with Content-Type: application/json "
+                                  f"(it was {media_type or 'not given'})", path=path)
         if speaks_openai(path):
             return error_response(400, describe_validation_errors(errors), path=path, param=first_field(errors))
         return error_response(422, describe_validation_errors(errors))

@@ -96,6 +96,15 @@ def test_bad_requests_get_4xx_with_a_message(client, body, status, fragments):
     assert_error(response, status, *fragments)
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_gets_415_naming_the_content_type(client, content_type):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = client.post("/generate", content=b'{"prompt": "hi"}', headers=headers)
+    assert_error(response, 415, "the body must be JSON", f"it was {content_type or 'not given'}")
+    # JSON that is not an object is still the body's own error.
+    assert_error(client.post("/generate", json=[1, 2]), 422, "dictionary")
+
+
 def test_oversized_bodies_get_413_declared_or_streamed(client):
     big = {"prompt": "x" * 5000}
     assert_error(client.post("/generate", json=big), 413, "larger than the limit of 4096 bytes")
