@@ -502,8 +502,15 @@ class StreamReader:
                 batch, quiet = await self._next(batches)
                 if not batch:
                     if terminal_seen:
-                        # Ended without an "end" entry, and everything written has been relayed.
-                        yield [("end", {"status": quiet.state, "finish_reason": None}, None)]
+                        # Everything after the cursor has been relayed, and the job has ended:
+                        # its stream's own "end" when the client resumed past it (with its
+                        # finish_reason), else one made of the state (it ended without one).
+                        last = decode_entries(await self.connection.xrevrange(stream_key(seq_id), count=1))
+                        ended = read_events(last)
+                        if ended and ended[-1][0] == "end":
+                            yield ended[-1:]
+                        else:
+                            yield [("end", {"status": quiet.state, "finish_reason": None}, None)]
                         return
                     terminal_seen = quiet.state is None or quiet.state in TERMINAL
                     continue

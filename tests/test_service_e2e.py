@@ -240,7 +240,15 @@ def test_stream_resumes_from_last_event_id(service, client):
     text = [data["text"] for event, data, _ in before + after if event == "delta"]
     assert "".join(text) == final["text"]
     assert after[0][1]["num_tokens"] > before[-1][1]["num_tokens"]  # nothing replayed
-    assert after[-1][:2] == ("end", {"status": "finished", "finish_reason": "length"})
+    end = ("end", {"status": "finished", "finish_reason": "length"})
+    assert after[-1][:2] == end
+    # Resumed at the end, or past it (an id the stream never had): nothing more, and the end
+    # as written (it came with finish_reason null, made of the job's state).
+    end_id = after[-1][2]
+    milliseconds, _, sequence = end_id.partition("-")
+    with httpx.Client(base_url=api.url, timeout=30) as http:
+        for cursor in (end_id, f"{milliseconds}-{int(sequence) + 1}", "18446744073709551615-18446744073709551615"):
+            assert [frame[:2] for frame in read_sse(http, seq_id, {"Last-Event-ID": cursor})] == [end]
 
 
 def read_sse(http: httpx.Client, seq_id: str, headers: dict, stop_after_deltas: int | None = None) -> list:
