@@ -68,6 +68,21 @@ def test_repetition_penalty_matches_hand_computation():
     assert penalised.tolist() == [[1.0, -2.0, 0.5, -0.5, 3.0]]
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e300])
+def test_an_extreme_repetition_penalty_still_samples_a_token_in_the_vocabulary(penalty):
+    """Any penalty > 0 is valid (vLLM's rule). Near 0 it took the seen tokens' positive logits
+    to +inf, huge it took their negative ones to -inf: every seen token -inf left nothing to
+    sample, +inf made the softmax NaN, and the request failed. Kept finite, the extremes sample
+    as their limits do: near 0, only seen tokens with positive logits; huge, never a seen token
+    while an unseen one is there."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.5]] * 2)
+    seen = [0, 1, 2]
+    rows = [Row(SamplingParams(temperature=0.7, seed=seed, repetition_penalty=penalty), prompt_token_ids=seen)
+            for seed in (1, 2)]
+    for token in make_sampler(4)(logits, rows).token_ids:
+        assert token in ([0, 2] if penalty < 1 else [0, 2, 3])
+
+
 def test_frequency_and_presence_penalties_match_hand_computation():
     logits = torch.zeros(1, 4)
     row = Row(

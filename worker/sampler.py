@@ -302,6 +302,11 @@ def _ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> torch.Tens
     return logits.index_put(indices, torch.full((), float("-inf"), device=device))
 
 
+# Far beyond any logit a model gives, and still finite after the smallest temperature that
+# samples (1e-5) divides it.
+_PENALISED_LOGIT_LIMIT = 1e30
+
+
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> torch.Tensor:
     """HF/vLLM repetition penalty over prompt and output tokens (positive logits divided,
     negative multiplied), then frequency and presence penalties over output tokens, for
@@ -317,7 +322,9 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow], penalise
         seen = (output_counts > 0) | (prompt_counts > 0)
         penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         penalty = torch.where(seen, penalty, 1.0)
-        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+        # Kept finite: a penalty near 0 or huge (both valid, > 0) took logits to ±inf, and
+        # the softmax of those is NaN: the request failed ("token id outside the vocabulary").
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty).clamp(-_PENALISED_LOGIT_LIMIT, _PENALISED_LOGIT_LIMIT)
     frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
     presence = to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
     sub = sub - frequency * output_counts - presence * (output_counts > 0)
