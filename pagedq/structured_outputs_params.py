@@ -24,6 +24,15 @@ _NAMES = {kind: "json" if kind == "json_schema" else kind for kind in _KINDS}
 # of its own (the `regex` kind), but converts a schema's patterns without that check, and one
 # nested ~25,000 deep overflowed its C stack: the api process died (SIGSEGV).
 MAX_PATTERN_NESTING = 1000
+# A grammar's compile time (against the tokenizer, in the engine core) grows faster than its
+# alternatives: 4,000 choices 0.05 s, 8,000 0.6 s, 16,000 9 s here on a 512-token vocabulary
+# (a larger vocabulary costs more). Unbounded, 20,000 choices held a core of a 2-core machine
+# for 20 s, and the engine beside it slowed to a crawl: a bystander waited 19 s, at 40,000
+# 130 s. So choices, a schema's enum values and anyOf / oneOf branches, and the text of a
+# regex or grammar are bounded.
+MAX_ALTERNATIVES = 1024
+MAX_REGEX_CHARS = 16 * 1024
+MAX_GRAMMAR_CHARS = 64 * 1024
 # xgrammar's C++ errors start with "[hh:mm:ss] /project/cpp/file.cc:123: ": the user needs what follows.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -35,9 +44,11 @@ class StructuredOutputsParams(ValidInput):
     json_schema: dict[str, Any] | StrictStr | None = Field(
         None, alias="json", description="A JSON schema (an object or its JSON text)."
     )
-    regex: StrictStr | None = None
-    choice: list[StrictStr] | None = Field(None, min_length=1, description="The output is exactly one of these.")
-    grammar: StrictStr | None = Field(None, description="EBNF (xgrammar / GBNF, rule `root`) or Lark (rule `start`).")
+    regex: StrictStr | None = Field(None, max_length=MAX_REGEX_CHARS)
+    choice: list[StrictStr] | None = Field(None, min_length=1, max_length=MAX_ALTERNATIVES,
+                                           description="The output is exactly one of these.")
+    grammar: StrictStr | None = Field(None, max_length=MAX_GRAMMAR_CHARS,
+                                      description="EBNF (xgrammar / GBNF, rule `root`) or Lark (rule `start`).")
     json_object: StrictBool | None = Field(None, description="Any JSON object (OpenAI's response_format json_object).")
     disable_any_whitespace: StrictBool = Field(
         False, description="JSON without whitespace between tokens (models tend to loop on whitespace otherwise)."
@@ -94,7 +105,8 @@ def _check_schema_shape(schema: str) -> None:
     """Refuses a schema whose conversion would take the process down or hold it: nested
     deeper than a request body may be (its conversion time grows steeply with depth: 14 ms at
     64 levels, 3 s at 400, a minute at 1,000; a schema given as text escaped the body's check),
-    or with a pattern nested deeper than MAX_PATTERN_NESTING."""
+    with a pattern nested deeper than MAX_PATTERN_NESTING, or with more than MAX_ALTERNATIVES
+    enum values or anyOf / oneOf branches in one place."""
     if json_too_deep(schema):
         raise ValueError(f"the schema nests deeper than {MAX_JSON_DEPTH} levels")
     try:
@@ -113,6 +125,9 @@ def _check_schema_shape(schema: str) -> None:
             for pattern in patterns:
                 if _group_nesting(pattern) > MAX_PATTERN_NESTING:
                     raise ValueError(f"a pattern nests groups more than {MAX_PATTERN_NESTING} deep")
+            for keyword in ("enum", "anyOf", "oneOf"):
+                if isinstance(node.get(keyword), list) and len(node[keyword]) > MAX_ALTERNATIVES:
+                    raise ValueError(f"{keyword} has {len(node[keyword])} entries, at most {MAX_ALTERNATIVES}")
             stack.extend(node.values())
 
 
