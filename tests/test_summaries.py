@@ -208,3 +208,15 @@ def test_cancel_stops_every_stage(service):
     jobs = service.jobs(batch_id, 0) + service.jobs(batch_id, 1)
     assert {job.get_status() for job in jobs} <= {"finished", "canceled"}
     assert all(job.id.split("-")[-2] == "0" for job in jobs)  # no reduce was queued
+
+
+def test_a_document_whose_text_is_not_valid_unicode_is_refused_naming_its_text():
+    """A lone surrogate in a summary line's text reached the tokenizer: the line failed as
+    "could not be read", its custom_id lost. Refused as the other bodies' text is."""
+    from pydantic import ValidationError
+
+    from api.batches.documents import DocumentBody
+
+    with pytest.raises(ValidationError, match="lone UTF-16 surrogate") as caught:
+        DocumentBody.model_validate({"text": "\ud800abc"})
+    assert caught.value.errors()[0]["loc"] == ("text",)

@@ -23,6 +23,7 @@ from api.prompts import PromptChecker
 from api.summaries.summarizer import Summarizer
 from pagedq.protocol import JobPayload
 from pagedq.redis_connection import passing_redis_trouble
+from pagedq.request_rules import ValidInput
 from pagedq.redis_schema import JOB_SERIALIZER, TERMINAL, batch_key, job_state
 from pagedq.settings import Settings
 from pagedq.summaries import DocumentProgress, StageUsage, SummarizeOptions, SummaryBody
@@ -34,8 +35,9 @@ MAX_LISTED_DOCUMENTS = 1000
 Enqueue = Callable[[object, BatchRecord, str, JobPayload], None]
 
 
-class DocumentBody(BaseModel):
-    """A summary batch line's body."""
+class DocumentBody(ValidInput):
+    """A summary batch line's body (its text valid Unicode: a lone surrogate reached the
+    tokenizer, and the line failed as "could not be read", its custom_id lost)."""
 
     model_config = ConfigDict(extra="forbid")
     text: StrictStr
