@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (module, function, the commands it adds): the commands a user starts with first (up,
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`pagedq result ID | head`): as other Unix tools, stop quietly.
+        # stdout is pointed at /dev/null so the interpreter's own flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for such a pipeline's writer
 
 
 if __name__ == "__main__":

@@ -142,3 +142,19 @@ def test_an_unknown_device_is_a_message_not_a_traceback(tiny_model_dir, redis_se
     """torch's RuntimeError for a device string it does not know reached the user as a traceback."""
     assert main(["worker", "--model", str(tiny_model_dir()), "--redis-url", redis_server.url, "--device", "bogus"]) == 1
     assert "device must be auto, cpu or cuda, got 'bogus'" in capsys.readouterr().err
+
+
+def test_ids_no_request_can_carry_and_a_closed_pipe_are_messages_not_tracebacks(capsys):
+    for argv in (["cancel", "\udcff"], ["batch", "cancel", "\udcff"], ["result", ""]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--url", f"http://127.0.0.1:{free_port()}"])
+        assert exit_.value.code == 2 and ("not valid UTF-8" in (err := capsys.readouterr().err) or "must not be empty" in err)
+    # `pagedq result ID | head`: the reader goes away, the command stops quietly (as `yes | head`).
+    code = ("import sys, pagedq.commands.service as service; "
+            "service.cmd_result = lambda args: [print('x' * 1000) for _ in range(10_000)]; "
+            "from pagedq.cli import main; sys.exit(main(['result', 'abc']))")
+    writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    writer.stdout.read(10)
+    writer.stdout.close()
+    assert writer.wait(60) == 141
+    assert b"Traceback" not in writer.stderr.read()

@@ -24,7 +24,7 @@ from pagedq.cli import CommandError
 from pagedq.client import BATCH_TERMINAL
 from pagedq.commands.batch_report import print_failures, summary_records, wait_with_progress, write_markdown
 from pagedq.commands.documents import read_documents
-from pagedq.commands.service import SAMPLING_FIELDS, client_flags, connect, given_fields, sampling_flags
+from pagedq.commands.service import SAMPLING_FIELDS, an_id, client_flags, connect, given_fields, sampling_flags
 from pagedq.summaries import DEFAULT_MAP_TEMPLATE, DEFAULT_REDUCE_TEMPLATE, SUMMARIES_ENDPOINT
 
 _ENDPOINTS = {False: "/v1/completions", True: "/v1/chat/completions"}
@@ -72,7 +72,7 @@ def register(subparsers) -> None:
                                  description="Progress bars (per document and stage for --summarize batches) until "
                                  "the batch ends; exits 1 if any request failed, printing why.")
     client_flags(status)
-    status.add_argument("batch_id", help="the id `batch submit` printed")
+    status.add_argument("batch_id", type=an_id, help="the id `batch submit` printed")
     status.add_argument("--once", action="store_true", help="print the batch object (JSON) once and exit")
     status.add_argument("--poll", type=float, default=1.0, help="seconds between polls (default 1)")
     status.set_defaults(handler=cmd_status)
@@ -82,7 +82,7 @@ def register(subparsers) -> None:
                                   "--summarize batch one line per document (id, summary, stages with their usage, "
                                   "usage). Exits 1 if any request failed, printing why; never writes an empty file.")
     client_flags(results)
-    results.add_argument("batch_id", help="the id `batch submit` printed")
+    results.add_argument("batch_id", type=an_id, help="the id `batch submit` printed")
     results.add_argument("--wait", action="store_true", help="wait for the batch to end first")
     _result_flags(results)
     results.set_defaults(handler=cmd_results)
@@ -90,7 +90,7 @@ def register(subparsers) -> None:
     cancel = commands.add_parser("cancel", help="cancel a batch: queued requests never run, running ones stop",
                                  description="Cancel a batch; it ends as cancelled once its running requests stop.")
     client_flags(cancel)
-    cancel.add_argument("batch_id", help="the id `batch submit` printed")
+    cancel.add_argument("batch_id", type=an_id, help="the id `batch submit` printed")
     cancel.set_defaults(handler=cmd_cancel)
 
 

@@ -63,14 +63,14 @@ def register(subparsers) -> None:
     result = subparsers.add_parser("result", help="show a job's status and (partial) result",
                                    description="Print a job's status and result so far as JSON.")
     client_flags(result)
-    result.add_argument("seq_id", help="the job id `submit` printed")
+    result.add_argument("seq_id", type=an_id, help="the job id `submit` printed")
     result.add_argument("--wait", type=float, help="wait up to this many seconds for the job to end")
     result.set_defaults(handler=cmd_result)
 
     cancel = subparsers.add_parser("cancel", help="cancel a queued or running job",
                                    description="Cancel a job: a queued one never runs, a running one stops.")
     client_flags(cancel)
-    cancel.add_argument("seq_id", help="the job id `submit` printed")
+    cancel.add_argument("seq_id", type=an_id, help="the job id `submit` printed")
     cancel.set_defaults(handler=cmd_cancel)
 
     api = subparsers.add_parser(
@@ -155,6 +155,13 @@ def utf8_text(text: str) -> str:
     except UnicodeEncodeError as exc:
         raise argparse.ArgumentTypeError(f"not valid UTF-8 text (at character {exc.start})") from None
     return text
+
+
+def an_id(text: str) -> str:
+    """An argparse type: a job's or batch's id, as printed: not empty, valid UTF-8."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return utf8_text(text)
 
 
 def idempotency_key(text: str) -> str:
