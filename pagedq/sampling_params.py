@@ -114,7 +114,7 @@ class SamplingParams(ValidInput):
     @model_validator(mode="after")
     def _check_consistency(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ValueError(f"min_tokens: must be at most max_tokens ({self.min_tokens} > {self.max_tokens})")
         return self
 
     @property
