@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedq.request_rules import INT64_MAX, ValidInput
+
 SUMMARIES_ENDPOINT = "/v1/summaries"
 
 # The instruction comes before the text, so every chunk's prompt starts with the same
@@ -28,8 +30,9 @@ TEXT_FIELD = "{text}"
 DEFAULT_MAX_TOKENS = 256
 
 
-class SummarizeOptions(BaseModel):
-    """How a summary batch summarizes (POST /v1/batches' `summary` field)."""
+class SummarizeOptions(ValidInput):
+    """How a summary batch summarizes (POST /v1/batches' `summary` field): finite numbers,
+    valid text and int64 counts, as every request's."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,10 +40,10 @@ class SummarizeOptions(BaseModel):
     reduce_template: str = Field(DEFAULT_REDUCE_TEMPLATE,
                                  description="Prompt that combines partial summaries; {text} is them, blank-line separated.")
     chat: bool = Field(False, description="Send the prompts through the model's chat template as the user's message.")
-    max_tokens: int | None = Field(None, ge=1, description="Tokens each summary (partial or final) may have. "
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="Tokens each summary (partial or final) may have. "
                                    f"Default: {DEFAULT_MAX_TOKENS}, or what the model's context leaves room for.")
     temperature: float | None = Field(None, ge=0, description="Default: the checkpoint's generation config.")
-    overlap_tokens: int = Field(32, ge=0, description="Tokens each chunk repeats from the end of the one before.")
+    overlap_tokens: int = Field(32, ge=0, le=INT64_MAX, description="Tokens each chunk repeats from the end of the one before.")
 
     @field_validator("map_template", "reduce_template")
     @classmethod

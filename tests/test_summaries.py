@@ -153,10 +153,14 @@ def test_options_the_model_cannot_run_are_a_400_naming_the_field(service):
         ({"endpoint": SUMMARIES_ENDPOINT, "summary": {"max_tokens": 100}}, "summary.max_tokens"),
         ({"endpoint": SUMMARIES_ENDPOINT, "summary": {"map_template": "no text"}}, "summary.map_template"),
         ({"endpoint": "/v1/completions", "summary": {}}, "summary: only for endpoint /v1/summaries"),
+        # As every request's: int64 counts, valid text (a lone surrogate reached the tokenizer).
+        ({"endpoint": SUMMARIES_ENDPOINT, "summary": {"overlap_tokens": 2**63}}, "summary.overlap_tokens"),
+        ({"endpoint": SUMMARIES_ENDPOINT, "summary": {"map_template": "{text} \ud800"}}, "lone UTF-16 surrogate"),
     ]
     for body, message in cases:
-        response = httpx.post(f"{service.api.url}/v1/batches", timeout=30,
-                              json={"input_file_id": file_id, "completion_window": "24h", **body})
+        # json.dumps escapes a lone surrogate (httpx's own encoder refuses to send it).
+        response = httpx.post(f"{service.api.url}/v1/batches", timeout=30, headers={"Content-Type": "application/json"},
+                              content=json.dumps({"input_file_id": file_id, "completion_window": "24h", **body}))
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
