@@ -1,7 +1,7 @@
 #!/bin/bash
 # `pagedq up` on the tiny model, one warm-up `bench serve --url` run, then py-spy (100 Hz,
 # --nonblocking) on the api and the worker through a second streaming run of 512 requests.
-# Writes under /tmp/prof (make it first); summarise with pyspy_raw_summary.py.
+# Writes under /tmp/prof (make it first); summarise with bench/pyspy_summary.py.
 cd /work/main
 .venv/bin/pagedq up --model /tmp/tinyl --device cpu --port 8123 --disable-uvicorn-access-log > /tmp/prof/up.log 2>&1 &
 U=$!
