@@ -4,7 +4,6 @@ the prompt checker, settings, metrics) is on `request.app.state`, set by api.app
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -23,8 +22,8 @@ from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
 from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import READY_PROBE_KEY, READY_PROBE_TTL_S
+from pagedq.request_rules import IDEMPOTENCY_KEY
 
-_IDEMPOTENCY_KEY_PATTERN = re.compile(r"^[\x21-\x7e]{1,255}$")
 # Who calls (api.auth.ANYONE with auth off); module-level so FastAPI can resolve the annotation.
 Auth = Annotated[Caller, Depends(authenticate)]
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429, 503)}
@@ -45,7 +44,7 @@ async def generate(
     caller: Auth,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> SubmitResponse:
-    if idempotency_key is not None and not _IDEMPOTENCY_KEY_PATTERN.match(idempotency_key):
+    if idempotency_key is not None and not IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         raise ApiError(400, "Idempotency-Key: 1 to 255 printable ASCII characters, no spaces")
     store: JobStore = request.app.state.store
     checker: PromptChecker = request.app.state.prompts

@@ -7,6 +7,7 @@ overflow, more sequences than an engine can hold, text the tokenizer cannot take
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
@@ -17,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 # seed + index, and a torch generator takes up to 2**64 - 1, so no n ever overflows it.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+# An Idempotency-Key (POST /generate's header, `pagedq submit --idempotency-key`): what an
+# HTTP header carries as it is.
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 
 
 _TEXTUAL = (str, list, tuple, dict)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from pagedq.cli import CommandError
+from pagedq.request_rules import IDEMPOTENCY_KEY
 from pagedq.settings import Settings
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ def an_id(text: str) -> str:
 
 def idempotency_key(text: str) -> str:
     """An argparse type: what the api takes as an Idempotency-Key header (1-255 printable ASCII characters)."""
-    if not 1 <= len(text) <= 255 or not all("!" <= char <= "~" for char in text):
+    if not IDEMPOTENCY_KEY.fullmatch(text):
         raise argparse.ArgumentTypeError("must be 1-255 printable ASCII characters, no spaces")
     return text
 
