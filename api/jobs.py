@@ -28,7 +28,7 @@ from rq.scripts import _build_hset_args
 
 from api.auth import ANYONE, Caller
 from api.shared_round_trip import SharedRoundTrip
-from pagedq.protocol import GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
+from pagedq.protocol import Completion, GenerateRequest, GenerationResult, JobPayload, ResultResponse, Timings, Usage
 from pagedq.redis_schema import (
     ANNOUNCE_LUA,
     BODY_HASH_META_KEY,
@@ -328,19 +328,28 @@ class JobStore:
         partial = (read_partial(decode_entries(self.connection.xrange(stream_key(seq_id))))
                    if progress.attempt or state != "queued" else Partial())
         timings.first_token = partial.first_token
+        payload = _payload(job)
         usage = None
         if progress.attempt or state == "running":
             # A job just started may not have its first progress written yet: its payload knows the prompt.
-            prompt_tokens = progress.prompt_tokens or _prompt_tokens(job)
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(partial.token_ids))
+            prompt_tokens = progress.prompt_tokens or (len(payload.prompt_token_ids) if payload is not None else 0)
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=partial.completion_tokens)
+        first = partial.output(0)
         response = ResultResponse(
-            seq_id=seq_id, status=state, text=partial.text, token_ids=partial.token_ids, timings=timings, usage=usage,
+            seq_id=seq_id, status=state, text=first.text, token_ids=first.token_ids, timings=timings, usage=usage,
         )
         if state == "canceled":
             response.finish_reason = "abort"
         elif state == "failed":
             response.error = failure_text(stored.latest_result())
             timings.finished = job.ended_at.timestamp() if job.ended_at else None
+        if payload is not None and payload.beam is None and payload.sampling.n > 1:
+            # Every sample so far, as a finished job's `completions` shows them (beams come only at the end).
+            response.completions = [
+                Completion(index=index, text=output.text, token_ids=output.token_ids, cumulative_logprob=None,
+                           finish_reason=response.finish_reason)
+                for index, output in ((index, partial.output(index)) for index in range(payload.sampling.n))
+            ]
         return response
 
     def cancel(self, seq_id: str, caller: Caller) -> ResultResponse | None:
@@ -441,9 +450,9 @@ def invalid_input(failure: str | None) -> str | None:
     return failure.removeprefix(prefix) if failure and failure.startswith(prefix) else None
 
 
-def _prompt_tokens(job: Job) -> int:
-    """The prompt's length from the job's payload (0 for a payload no worker would run)."""
+def _payload(job: Job) -> JobPayload | None:
+    """The job's payload; None for one no worker would run (it breaks the input rules)."""
     try:
-        return len(JobPayload.read(job.kwargs).prompt_token_ids)
+        return JobPayload.read(job.kwargs)
     except InvalidJob:
-        return 0
+        return None

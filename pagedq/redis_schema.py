@@ -484,31 +484,49 @@ Event = tuple[str, dict, str | None]
 
 
 @dataclass
-class Partial:
-    """What a job's current attempt has produced so far (its first output), from its stream."""
+class PartialOutput:
+    """One output's text and token ids so far."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Partial:
+    """What a job's current attempt has produced so far, from its stream: each output (by
+    index; n > 1 has several) and when the first token of any of them came."""
+
+    outputs: dict[int, PartialOutput] = field(default_factory=dict)
     first_token: float | None = None
+
+    def output(self, index: int) -> PartialOutput:
+        return self.outputs.get(index) or PartialOutput()
+
+    @property
+    def completion_tokens(self) -> int:
+        """Every output's tokens, as a finished job's usage counts them."""
+        return sum(len(output.token_ids) for output in self.outputs.values())
 
 
 def read_partial(entries: list[Entry]) -> Partial:
-    """The partial result in a job's stream entries (all of them, oldest first): output 0's
-    deltas since the last reset, and when the first token of any output came."""
-    partial, texts = Partial(), []
+    """The partial result in a job's stream entries (all of them, oldest first): each
+    output's deltas since the last reset, and when the first token of any output came."""
+    partial, texts = Partial(), {}
     for _, fields in entries:
         kind = fields.get("type")
         if kind == EVENT_RESET:
-            partial, texts = Partial(), []
+            partial, texts = Partial(), {}
         elif kind == EVENT_DELTA:
             if partial.first_token is None and fields.get("first_token"):
                 partial.first_token = float(fields["first_token"])  # on the attempt's first delta, of any output
-            if fields.get("index") == "0":
-                texts.append(fields.get("text", ""))
-                ids = fields.get("ids", "")
-                if ids:
-                    partial.token_ids += map(int, ids.split(","))
-    partial.text = "".join(texts)
+            index = int(fields.get("index", "0"))
+            output = partial.outputs.setdefault(index, PartialOutput())
+            texts.setdefault(index, []).append(fields.get("text", ""))
+            ids = fields.get("ids", "")
+            if ids:
+                output.token_ids += map(int, ids.split(","))
+    for index, pieces in texts.items():
+        partial.outputs[index].text = "".join(pieces)
     return partial
 
 

@@ -213,6 +213,32 @@ def test_polling_and_streaming_follow_a_job_from_queued_to_finished(service, cli
     assert events[-1][1] == {"status": "finished", "finish_reason": "length"}
 
 
+def test_a_running_jobs_result_shows_every_sample_so_far(service, client):
+    """n > 1: GET /result of a running job shows each sample's text and tokens so far in
+    `completions` (output 0 also as text/token_ids), each a prefix of what it ends with, and
+    usage counts every sample's tokens, as the finished result does."""
+    seq_id = client.submit(prompt="Samples", n=3, max_tokens=600, ignore_eos=True, temperature=1.0, seed=5)["seq_id"]
+    running = []
+    while (result := client.result(seq_id))["status"] != "finished":
+        if result["status"] == "running" and result["usage"]["completion_tokens"] > 0:
+            running.append(result)
+        time.sleep(0.02)
+    assert running, "never saw the job running"
+    final = {completion["index"]: completion for completion in result["completions"]}
+    assert len(final) == 3 and len({tuple(c["token_ids"]) for c in final.values()}) == 3
+    for partial in running:
+        samples = partial["completions"]
+        assert [sample["index"] for sample in samples] == [0, 1, 2]
+        assert (partial["text"], partial["token_ids"]) == (samples[0]["text"], samples[0]["token_ids"])
+        assert partial["usage"]["completion_tokens"] == sum(len(sample["token_ids"]) for sample in samples)
+        for sample in samples:
+            whole = final[sample["index"]]
+            assert sample["finish_reason"] is None
+            assert whole["token_ids"][:len(sample["token_ids"])] == sample["token_ids"]
+            assert whole["text"].startswith(sample["text"])
+    assert any(all(sample["token_ids"] for sample in partial["completions"]) for partial in running)
+
+
 def test_a_polling_clients_job_keeps_only_its_end_in_the_stream(service, client):
     """POST /generate with stream false (a client that polls): the job runs as any other and
     its result holds every token; its deltas went every PAGEDQ_PROGRESS_INTERVAL_S as its

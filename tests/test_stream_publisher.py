@@ -22,6 +22,7 @@ from pagedq.redis_schema import (
     DELTA_ARGS,
     UNFENCED,
     WRITTEN_KEY,
+    PartialOutput,
     announced_entries,
     decode_entries,
     entry_fields,
@@ -131,11 +132,12 @@ def test_a_stream_holds_each_token_once_whichever_round_trips_broke(redis, seed)
             assert [token for token, _ in logprobs_seen] == completion.token_ids
     counts = _one_event_per_entry(redis, seq_id)
     assert counts == sorted(set(counts)), "a delta of output 0 was written twice"
-    # The partial result GET /result reads back from the stream: output 0, each token once.
+    # The partial result GET /result reads back from the stream: every output, each token once.
     partial = read_partial(_entries(redis, seq_id))
-    first = request.completions[0]
-    assert (partial.text, partial.token_ids) == (first.text, first.token_ids)
-    assert (partial.first_token is not None) == bool(first.token_ids)
+    for completion in request.completions:
+        assert partial.output(completion.index) == PartialOutput(completion.text, completion.token_ids)
+    assert partial.completion_tokens == sum(len(completion.token_ids) for completion in request.completions)
+    assert (partial.first_token is not None) == bool(request.completions[0].token_ids)
 
 
 def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(redis):
@@ -167,7 +169,7 @@ def test_a_lost_reply_after_a_reset_does_not_count_the_earlier_attempts_text(red
     _send(second, redis, "answered")
     assert _streamed(redis, seq_id)[0][0] == rerun.completions[0].text
     partial = read_partial(_entries(redis, seq_id))
-    assert (partial.text, partial.token_ids) == (rerun.completions[0].text, rerun.completions[0].token_ids)
+    assert partial.outputs == {0: PartialOutput(rerun.completions[0].text, rerun.completions[0].token_ids)}
 
 
 def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis):
@@ -195,7 +197,7 @@ def test_a_job_nobody_streams_publishes_its_tokens_every_progress_interval(redis
     _send(streamed, redis, "answered")
     assert streamed.due("publisher-streamed")  # stream_interval_s 0: every round trip
     partial = read_partial(_entries(redis, seq_id))
-    assert (partial.text, partial.token_ids) == (request.completions[0].text, request.completions[0].token_ids)
+    assert partial.outputs == {0: PartialOutput(request.completions[0].text, request.completions[0].token_ids)}
 
 
 def test_every_write_to_a_stream_is_announced_with_the_streams_it_wrote(redis):
