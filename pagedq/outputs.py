@@ -65,6 +65,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Why the request failed, when it did: the engine's other requests carried on.
     error: str | None = None
+    # The error is its input's fault, the same on any engine (constraints that leave no token,
+    # a grammar that does not compile): the service answers it as the client's error (4xx).
+    invalid_input: bool = False
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing
     # precedes it), then token id -> Logprob (the top alternatives and the prompt's token).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -76,6 +76,12 @@ class RequestFailed(RuntimeError):
     requests carried on. Deterministic, so never retried (retries are for lost workers)."""
 
 
+def request_failure(error: str, invalid_input: bool) -> Exception:
+    """What a job whose request the engine failed alone fails with: InvalidJob when its input
+    alone is to blame (RequestOutput.invalid_input: the api answers 4xx), else RequestFailed."""
+    return (InvalidJob if invalid_input else RequestFailed)(error)
+
+
 def failure_line(exc_type: type[BaseException]) -> str:
     """How the last line of the exc_string of a job failed by `exc_type` starts."""
     return f"{exc_type.__module__}.{exc_type.__qualname__}: "

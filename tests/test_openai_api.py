@@ -4,6 +4,7 @@ results are checked against pagedq's offline engine on the same prompts."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -500,6 +501,22 @@ def test_token_rules_and_return_token_ids(service, client, model):
     assert set(allowed.choices[0].token_ids) <= {7, 11} and len(allowed.choices[0].token_ids) == 6
     assert allowed.prompt_token_ids == list(tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def test_constraints_that_leave_no_token_are_the_clients_error(service, client, model):
+    """allowed_token_ids of eos alone, within min_tokens: no token can be generated. The job
+    fails on its input (never retried) and the answer is a 400 invalid_request_error,
+    streamed or not, where it was a 500 job_failed."""
+    api, _ = service
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    extra = {"allowed_token_ids": [eos], "min_tokens": 2}
+    with pytest.raises(openai.BadRequestError, match="no token is allowed"):
+        client.completions.create(model=model.name, prompt="hi", max_tokens=6, extra_body=extra)
+    body = {"model": model.name, "prompt": "hi", "max_tokens": 6, "stream": True, **extra}
+    events = httpx.post(f"{api.url}/v1/completions", json=body, timeout=60).text.split("\n\n")
+    errors = [json.loads(event.removeprefix("data: ")) for event in events if '"error"' in event]
+    assert [(error["error"]["type"], error["error"]["code"]) for error in errors] == [("invalid_request_error", "invalid_request")]
+    assert "no token is allowed" in errors[0]["error"]["message"] and events[-2] == "data: [DONE]"
 
 
 def test_echo_truncation_and_beam_search(service, client, model):

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from pagedq.sampling_params import SamplingParams
-from worker.sampler import _TOP_P_CANDIDATES, Sampler, _apply_penalties, _apply_top_p, _apply_top_p_sorted
+from worker.sampler import (
+    _TOP_P_CANDIDATES,
+    NO_TOKEN_ALLOWED,
+    Sampler,
+    _apply_penalties,
+    _apply_top_p,
+    _apply_top_p_sorted,
+)
 
 EOS = 3
 
@@ -18,6 +25,7 @@ class Row:
     prompt_token_ids: list[int] = field(default_factory=lambda: [0])
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -202,6 +210,25 @@ def test_min_tokens_blocks_eos_and_stop_token_ids(ignore_eos):
     sampler = make_sampler(5)
     assert sampler(logits, [Row(params, output_token_ids=[0])]).token_ids[0] == 1
     assert sampler(logits, [Row(params, output_token_ids=[0, 0])]).token_ids[0] == EOS
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_row_whose_masks_leave_no_token_gets_no_token_allowed(temperature, logprobs):
+    """allowed_token_ids holding only eos, within min_tokens: every token is masked. The row
+    gets NO_TOKEN_ALLOWED (its request then fails on its own input) instead of a token its
+    rules forbid (greedy's argmax over -inf was token 0) or an id past the vocabulary; its
+    neighbours sample what they sample alone, and once min_tokens is reached it takes eos."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 16)
+    stuck = SamplingParams(temperature=temperature, allowed_token_ids=[EOS], min_tokens=4, logprobs=logprobs)
+    free = SamplingParams(temperature=0.0, allowed_token_ids=[5, 6], logprobs=logprobs)
+    out = make_sampler(16)(logits, [Row(free), Row(stuck), Row(free)])
+    assert out.token_ids[1] == NO_TOKEN_ALLOWED
+    alone = make_sampler(16)(logits[[0, 2]], [Row(free), Row(free)])
+    assert [out.token_ids[0], out.token_ids[2]] == alone.token_ids
+    assert [out.logprobs[0], out.logprobs[2]] == alone.logprobs
+    assert make_sampler(16)(logits[[1]], [Row(stuck, output_token_ids=[0] * 4)]).token_ids == [EOS]
 
 
 def test_logprobs_are_raw_with_ranks_and_include_the_sampled_token():

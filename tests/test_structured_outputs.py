@@ -136,8 +136,35 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(model, overlap)
             if output.finished:
                 finished[output.request_id] = output
     assert "regex" in finished["broken"].error and "parenthesis" in finished["broken"].error
+    assert finished["broken"].invalid_input  # its input's fault: a 4xx in the service
     assert len(finished["ok-1"].outputs[0].token_ids) == 8
     check_shape("choice", finished["ok-2"].outputs[0].text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constraints_that_leave_no_token_fail_their_request_alone_on_its_input(model, overlap, temperature):
+    """A finished grammar allows only eos, which min_tokens holds back; allowed_token_ids of
+    eos alone, within min_tokens: no token is allowed. The request fails on its own input
+    (invalid_input: a 4xx in the service) without a token its rules forbid (greedy took
+    token 0, sampling an id past the vocabulary); its neighbours finish."""
+    llm = LLM(model, dtype="float32", device="cpu", async_scheduling=overlap)
+    engine = llm.llm_engine
+    eos = llm.get_tokenizer().eos_token_id
+    engine.add_request("ok", "hello", SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=3))
+    engine.add_request("grammar", "hello", SamplingParams(temperature=temperature, max_tokens=60, min_tokens=50,
+                                                         structured_outputs=SHAPES["choice"]))
+    engine.add_request("allowed", "hello", SamplingParams(temperature=temperature, max_tokens=8, min_tokens=3,
+                                                         allowed_token_ids=[eos]))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    for name in ("grammar", "allowed"):
+        assert finished[name].invalid_input and finished[name].error.startswith("no token is allowed"), finished[name]
+    assert finished["allowed"].outputs[0].token_ids == []
+    check_shape("choice", finished["grammar"].outputs[0].text)
+    assert finished["ok"].error is None and len(finished["ok"].outputs[0].token_ids) == 12
 
 
 def test_abort_while_the_grammar_compiles(model):

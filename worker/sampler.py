@@ -10,7 +10,8 @@ before truncation: vLLM V1 runs it as an argmax-invariant logits processor ahead
 top-k/top-p sampler), top-k and top-p, and draw by
 inverse CDF: one uniform number per row, looked up in the row's cumulative
 probabilities. A seeded row takes its number from its own generator, so it samples the
-same tokens alone or in any batch. (vLLM's exponential race needs a random number per
+same tokens alone or in any batch. A row whose masks leave no token at all gets
+NO_TOKEN_ALLOWED, never a token they forbid: its request fails, on its own input. (vLLM's exponential race needs a random number per
 vocabulary entry; on a CPU drawing those cost more than the model's matmuls.) Every
 stage runs batched over the rows that need it and is skipped when none do.
 
@@ -131,7 +132,9 @@ class Sampler:
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         wanted: list[int] = []
-        needs: dict[int, tuple[bool, bool, bool, bool, bool] | None] = {}
+        # Rows whose mask (grammar, allowed ids, bad words, min_tokens) might leave no token.
+        masked: list[int] = []
+        needs: dict[int, tuple[bool, bool, bool, bool, bool, bool] | None] = {}
         for i, row in enumerate(rows):
             p = row.params
             key = id(p)
@@ -141,7 +144,7 @@ class Sampler:
                 need = needs[key] = _needs(p)
             if need is None:
                 continue  # greedy, nothing else
-            sampled, penalties, min_tokens, logprobs, token_rules = need
+            sampled, penalties, min_tokens, logprobs, token_rules, constrained = need
             if sampled:
                 sampled_rows.append(i)
             if token_rules:
@@ -155,6 +158,9 @@ class Sampler:
                 banned = self._stop_ids(p)
                 banned_rows += [i] * len(banned)
                 banned_tokens += banned
+                constrained = True
+            if constrained:
+                masked.append(i)
             if logprobs:
                 wanted.append(i)
 
@@ -166,6 +172,8 @@ class Sampler:
         if penalised:
             processed = _apply_penalties(processed, [rows[i] for i in penalised], penalised)
         token_ids = self._choose_tokens(processed, rows, sampled_rows)
+        if masked:
+            token_ids = _mark_rows_without_a_token(processed, token_ids, masked)
 
         # Normalised only for rows that asked for logprobs: as in vLLM V1, the others get
         # no cumulative_logprob, and a logsumexp over the vocabulary of every row cost 3%
@@ -175,7 +183,7 @@ class Sampler:
         if wanted:
             index = to_device(wanted, torch.int64, raw.device) if len(wanted) < len(rows) else None
             wanted_raw = raw if index is None else raw[index]
-            chosen = token_ids if index is None else token_ids[index]
+            chosen = (token_ids if index is None else token_ids[index]).clamp(0, self.vocab_size - 1)
             counts = [rows[i].params.logprobs for i in wanted]
             tensors = logprob_tensors(wanted_raw, chosen, max(counts))
         return DeviceSample(token_ids, len(rows), wanted, counts, tensors)
@@ -229,20 +237,35 @@ class Sampler:
         return u
 
 
+# The token id of a row whose masks allowed no token at all (the request fails, its own input's fault).
+NO_TOKEN_ALLOWED = -1
 # Sampling with a temperature below this is deterministic argmax (SamplingParams.is_greedy).
 _GREEDY_EPS = 1e-5
 
 
-def _needs(p: SamplingParams) -> tuple[bool, bool, bool, bool, bool] | None:
-    """(sampled, penalties, min_tokens, logprobs, token rules), or None for plain greedy rows."""
+def _needs(p: SamplingParams) -> tuple[bool, bool, bool, bool, bool, bool] | None:
+    """(sampled, penalties, min_tokens, logprobs, token rules, masked: its grammar, allowed
+    ids or bad words may leave no token), or None for plain greedy rows."""
     need = (
         p.temperature >= _GREEDY_EPS,
         p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0,
         p.min_tokens > 0,
         p.logprobs is not None,
         bool(p.allowed_token_ids or p.logit_bias or p.bad_words),
+        bool(p.allowed_token_ids or p.bad_words) or p.structured_outputs is not None,
     )
     return need if any(need) else None
+
+
+def _mark_rows_without_a_token(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """NO_TOKEN_ALLOWED for each of `rows` whose masks left every token at -inf (what it
+    chose is then -inf too: argmax's first column, or past the end for an inverse CDF of
+    NaN). Its own constraints contradict each other (e.g. allowed_token_ids holding only eos
+    within min_tokens), so it must fail, and not with a token none of them allow."""
+    index = to_device(rows, torch.int64, logits.device)
+    chosen = token_ids[index]
+    none_left = logits[index, chosen.clamp(0, logits.shape[1] - 1)] == float("-inf")
+    return token_ids.index_put((index,), torch.where(none_left, NO_TOKEN_ALLOWED, chosen))
 
 
 def _bad_words_due(row: SamplingRow) -> list[int]:

@@ -57,7 +57,7 @@ from scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from worker.host_copy import HostCopy, to_device
 from worker.input_batch import StepPlan
 from worker.model_runner import ModelRunner
-from worker.sampler import SamplerOutput, logprob_tensors
+from worker.sampler import NO_TOKEN_ALLOWED, SamplerOutput, logprob_tensors
 from worker.tp.leader import TensorParallelError
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class EngineCore:
                 continue
             error = future.exception()
             if error is not None:
-                self._fail_request(request, str(error))
+                self._fail_request(request, str(error), invalid_input=True)
                 continue
             request.grammar = future.result()
             first.grammar = new_matcher(request.grammar)
@@ -628,6 +628,10 @@ class EngineCore:
                 continue  # ended (or its request did) since this step was launched
             seq.num_pending -= 1
             request = seq.request
+            if token == NO_TOKEN_ALLOWED:
+                self._fail_request(request, "no token is allowed: its structured output, allowed_token_ids, "
+                                   "bad_words and min_tokens together rule out every token", invalid_input=True)
+                continue
             if not 0 <= token < vocab_size:
                 self._fail_request(request, f"sampling produced token id {token}, outside the vocabulary")
                 continue
@@ -703,9 +707,11 @@ class EngineCore:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
 
-    def _fail_request(self, request: CoreRequest, error: str, exc: BaseException | None = None) -> None:
+    def _fail_request(self, request: CoreRequest, error: str, exc: BaseException | None = None,
+                      invalid_input: bool = False) -> None:
         """Something this request caused threw: it ends now (its blocks freed) and the
-        front hears why; the other requests carry on."""
+        front hears why (`invalid_input`: its input alone is to blame, whatever engine runs
+        it); the other requests carry on."""
         if request.error is not None or request.request_id not in self.requests:
             return
         logger.warning("request %s failed alone: %s", request.request_id, error, exc_info=exc)
@@ -717,7 +723,7 @@ class EngineCore:
         self._end_sequences(request)
         del self.requests[request.request_id]
         self.counters.requests_failed += 1
-        self._out.failed.append((request.request_id, error))
+        self._out.failed.append((request.request_id, error, invalid_input))
 
     # --- beam search (its requests are synchronous: each round is seen on the host) -------
 

@@ -92,8 +92,10 @@ class CoreOutputs(msgspec.Struct, array_like=True, gc=False):
     token_chunks: list[tuple[int, int, list[int], float]] = msgspec.field(default_factory=list)
     # Requests scheduled for the first time: (request id, when, prompt tokens found cached).
     scheduled: list[tuple[int, float, int]] = msgspec.field(default_factory=list)
-    # Requests the core failed alone, for something they caused: (request id, why).
-    failed: list[tuple[int, str]] = msgspec.field(default_factory=list)
+    # Requests the core failed alone, for something they caused: (request id, why, whether
+    # their input alone is to blame: constraints that leave no token, a grammar that does
+    # not compile: the client's error, 4xx in the service).
+    failed: list[tuple[int, str, bool]] = msgspec.field(default_factory=list)
     # Beam search requests that ended: (request id, best hypotheses first).
     beams: list[tuple[int, list[BeamHypothesis]]] = msgspec.field(default_factory=list)
     # Output tokens this step made for requests whose tokens come in chunks (not in the

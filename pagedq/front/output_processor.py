@@ -85,7 +85,8 @@ class SequenceState:
 class RequestState:
     __slots__ = (
         "request_id", "core_id", "prompt", "prompt_token_ids", "output_kind", "metrics",
-        "num_cached_tokens", "seqs", "error", "final_outputs", "finished", "num_ended", "prompt_logprobs",
+        "num_cached_tokens", "seqs", "error", "invalid_input", "final_outputs", "finished", "num_ended",
+        "prompt_logprobs",
     )
 
     def __init__(self, request_id: str, core_id: int, prompt: str | None, prompt_token_ids: list[int],
@@ -99,6 +100,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.error: str | None = None
+        self.invalid_input = False
         # Beam search's best hypotheses, once the search ends.
         self.final_outputs: list[CompletionOutput] | None = None
         self.finished = False
@@ -141,6 +143,7 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
             finished=self.finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens, error=self.error,
+            invalid_input=self.invalid_input,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
@@ -233,10 +236,10 @@ class OutputProcessor:
             except Exception as exc:
                 self._token_fault(state, exc)
             touched[core_id] = state
-        for core_id, error in out.failed:
+        for core_id, error, invalid_input in out.failed:
             state = states.get(core_id)
             if state is not None and not state.finished:
-                self._fail(state, error)
+                self._fail(state, error, invalid_input=invalid_input)
                 touched[core_id] = state
         for core_id, hypotheses in out.beams:
             state = states.get(core_id)
@@ -285,12 +288,12 @@ class OutputProcessor:
         self._fail(state, f"processing its new token failed: {exc!r}", exc)
         self.dropped.append(state.core_id)
 
-    def _fail(self, state: RequestState, error: str, exc: BaseException | None = None) -> None:
+    def _fail(self, state: RequestState, error: str, exc: BaseException | None = None, invalid_input: bool = False) -> None:
         if state.error is not None:
             return
         if exc is not None:
             logger.warning("request %s failed alone: %s", state.request_id, error, exc_info=exc)
-        state.error = error
+        state.error, state.invalid_input = error, invalid_input
         try:
             state.end("error")
         except Exception:

@@ -69,7 +69,14 @@ from pagedq.front.core_client import EngineDeadError
 from pagedq.gc_tuning import freeze_startup_heap
 from pagedq.metrics import WorkerMetrics
 from pagedq.redis_connection import connect, passing_redis_trouble
-from pagedq.redis_schema import JOB_SERIALIZER, FencedWrite, RequestFailed, batch_queue_name, expire_canceled, queue_fenced_commands
+from pagedq.redis_schema import (
+    JOB_SERIALIZER,
+    FencedWrite,
+    batch_queue_name,
+    expire_canceled,
+    queue_fenced_commands,
+    request_failure,
+)
 from pagedq.settings import Settings
 from worker.rq import outcomes
 from worker.rq.heartbeats import Heartbeats
@@ -440,7 +447,8 @@ class BatchWorker(BaseWorker):
         for entry in entries:
             entry.job.retries_left = 0
             self._end_streams_on_failure.add(entry.job.id)
-            self._finalize_failure(entry.job, entry.queue, entry.execution, _raised(RequestFailed(entry.error)))
+            self._finalize_failure(entry.job, entry.queue, entry.execution,
+                                   _raised(request_failure(entry.error, entry.final.invalid_input)))
 
     def _fail_inflight(self, exc_info) -> None:
         """The engine raised mid-step: its state is suspect, so every in-flight job fails

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from rq import get_current_job
 
 from pagedq.protocol import GenerationResult, JobPayload
-from pagedq.redis_schema import InvalidJob, RequestFailed
+from pagedq.redis_schema import InvalidJob, request_failure
 from pagedq.settings import Settings
 from worker.rq.engine_factory import build_engine
 from worker.rq.publisher import ProgressPublisher
@@ -74,7 +74,7 @@ def generate(**payload: Any) -> dict:
 
     if final.error is not None:
         job.retries_left = 0  # its own fault, alone: it would fail again
-        raise RequestFailed(final.error)
+        raise request_failure(final.error, final.invalid_input)
     # No "end" event here: RQ records the result only after this returns, and the
     # stream relay ends by itself once it sees the job's terminal status.
     return GenerationResult.from_output(final, job.id, request, started_at).model_dump(mode="json")
