@@ -109,6 +109,9 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         # Noise for unseeded rows; None uses torch's default generator of the logits' device.
         self.generator = generator
+        # What allowed_token_ids bar, a [vocab] bool row on the device, by id(params) (the
+        # params kept, so the id stays theirs): kept while a row of the last step had them.
+        self._barred: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -166,7 +169,8 @@ class Sampler:
 
         processed = raw
         if ruled:
-            processed = _apply_token_rules(processed, [rows[i].params for i in ruled], ruled)
+            ruled_params = [rows[i].params for i in ruled]
+            processed = _apply_token_rules(processed, ruled_params, ruled, self._barred_tokens(ruled_params, raw.device))
         if banned_rows:
             processed = _ban(processed, banned_rows, banned_tokens)
         if penalised:
@@ -187,6 +191,24 @@ class Sampler:
             counts = [rows[i].params.logprobs for i in wanted]
             tensors = logprob_tensors(wanted_raw, chosen, max(counts))
         return DeviceSample(token_ids, len(rows), wanted, counts, tensors)
+
+    def _barred_tokens(self, params: list[SamplingParams], device: torch.device) -> dict[int, torch.Tensor]:
+        """Each distinct params' tokens barred by its allowed_token_ids, a [vocab] bool row
+        on the device, by id(params). Built once per request, not at every step for each of
+        its rows: a list can hold most of the vocabulary, and building its mask was ~45 ms
+        of every step of everyone in the batch (8 rows of 40,000 ids, 49,152 tokens)."""
+        kept: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
+        for p in params:
+            key = id(p)
+            if p.allowed_token_ids and key not in kept:
+                cached = self._barred.get(key)
+                if cached is None or cached[0] is not p:
+                    barred = torch.ones(self.vocab_size, dtype=torch.bool, device=device)
+                    barred[to_device(p.allowed_token_ids, torch.int64, device)] = False
+                    cached = (p, barred)
+                kept[key] = cached
+        self._barred = kept
+        return {key: barred for key, (_, barred) in kept.items()}
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         """What min_tokens holds back: the request's stop_token_ids and eos, even with
@@ -281,29 +303,27 @@ def _bad_words_due(row: SamplingRow) -> list[int]:
     return banned
 
 
-def _apply_token_rules(logits: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> torch.Tensor:
-    """allowed_token_ids (every other token to -inf) and logit_bias (added), for `rows`."""
-    device, vocab_size = logits.device, logits.shape[1]
+def _apply_token_rules(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
+                       barred: dict[int, torch.Tensor]) -> torch.Tensor:
+    """allowed_token_ids (every other token to -inf; `barred` holds each params' mask of
+    those, by id(params)) and logit_bias (added), for `rows`."""
+    device = logits.device
     limited: list[int] = []  # rows with allowed_token_ids
-    allowed_at: list[int] = []  # (position among `limited`, token id) pairs of what they allow
-    allowed_ids: list[int] = []
+    masks: list[torch.Tensor] = []
     bias_rows: list[int] = []
     bias_ids: list[int] = []
     bias_values: list[float] = []
     for row, p in zip(rows, params):
         if p.allowed_token_ids:
-            allowed_at += [len(limited)] * len(p.allowed_token_ids)
-            allowed_ids += p.allowed_token_ids
             limited.append(row)
+            masks.append(barred[id(p)])
         if p.logit_bias:
             bias_rows += [row] * len(p.logit_bias)
             bias_ids += list(p.logit_bias)
             bias_values += list(p.logit_bias.values())
     if limited:
         index = to_device(limited, torch.int64, device)
-        keep = torch.zeros((len(limited), vocab_size), dtype=torch.bool, device=device)
-        keep[to_device(allowed_at, torch.int64, device), to_device(allowed_ids, torch.int64, device)] = True
-        logits = logits.index_put((index,), logits[index].masked_fill(~keep, float("-inf")))
+        logits = logits.index_put((index,), logits[index].masked_fill(torch.stack(masks), float("-inf")))
     if bias_rows:
         indices = (to_device(bias_rows, torch.int64, device), to_device(bias_ids, torch.int64, device))
         logits = logits.index_put(indices, to_device(bias_values, torch.float32, device), accumulate=True)
