@@ -212,27 +212,29 @@ def test_min_tokens_blocks_eos_and_stop_token_ids(ignore_eos):
     assert sampler(logits, [Row(params, output_token_ids=[0, 0])]).token_ids[0] == EOS
 
 
-def test_allowed_token_ids_are_built_once_per_request_and_shared_by_its_rows():
+def test_token_rules_are_built_once_per_request_and_shared_by_its_rows():
     """A request's n rows share its params: each row takes the greedy best of its own
-    allowed ids, whatever its neighbours allow; the ids go to the device once per request
-    (kept from step to step) and are dropped once no row has them."""
+    allowed ids plus its own logit_bias, whatever its neighbours ask; the masks are built on
+    the device once per request (kept from step to step) and dropped once no row has them."""
     torch.manual_seed(2)
     vocab = 40
-    first = SamplingParams(temperature=0.0, allowed_token_ids=list(range(0, 40, 3)))
+    first = SamplingParams(temperature=0.0, allowed_token_ids=list(range(0, 40, 3)), logit_bias={"3": 2.5, "4": 9.0})
     second = SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 39])
-    rows = [Row(first), Row(second), Row(first), Row(SamplingParams(temperature=0.0)), Row(first)]
+    third = SamplingParams(temperature=0.0, logit_bias={str(t): -0.5 * t for t in range(0, 40, 2)})
+    rows = [Row(first), Row(second), Row(first), Row(SamplingParams(temperature=0.0)), Row(third), Row(first)]
     sampler = make_sampler(vocab)
     for _ in range(3):
         logits = torch.randn(len(rows), vocab)
         out = sampler(logits, rows)
         for i, row in enumerate(rows):
             allowed = row.params.allowed_token_ids or list(range(vocab))
-            assert out.token_ids[i] == max(allowed, key=lambda t: logits[i, t].item())
-        assert {key: (~barred).nonzero().flatten().tolist() for key, (_, barred) in sampler._barred.items()} == {
-            id(first): first.allowed_token_ids, id(second): second.allowed_token_ids}
-    mask = sampler._barred[id(first)][1]
+            bias = row.params.logit_bias or {}
+            assert out.token_ids[i] == max(allowed, key=lambda t: logits[i, t].item() + bias.get(t, 0.0))
+        assert {key: (~rules.barred).nonzero().flatten().tolist() for key, rules in sampler._rules.items()
+                if rules.barred is not None} == {id(first): first.allowed_token_ids, id(second): second.allowed_token_ids}
+    rules = sampler._rules[id(first)]
     sampler(torch.randn(2, vocab), [Row(first), Row(first)])
-    assert sampler._barred[id(first)][1] is mask and id(second) not in sampler._barred
+    assert sampler._rules[id(first)] is rules and set(sampler._rules) == {id(first)}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
