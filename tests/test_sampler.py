@@ -71,7 +71,7 @@ def test_logits_past_vocab_size_are_never_sampled():
 def test_repetition_penalty_matches_hand_computation():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0]])
     row = Row(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 0], output_token_ids=[1])
-    penalised = _apply_penalties(logits, [row], [0])
+    penalised = _apply_penalties(logits, [row], [0], make_sampler(5)._prompt_tokens([row], logits.device))
     # Seen tokens 0 (prompt) and 1 (output): positive divided, negative multiplied.
     assert penalised.tolist() == [[1.0, -2.0, 0.5, -0.5, 3.0]]
 
@@ -98,8 +98,23 @@ def test_frequency_and_presence_penalties_match_hand_computation():
         prompt_token_ids=[3, 3, 3],  # prompt tokens are not penalised by these two
         output_token_ids=[1, 1, 2],
     )
-    penalised = _apply_penalties(logits, [row], [0])
+    penalised = _apply_penalties(logits, [row], [0], make_sampler(4)._prompt_tokens([row], logits.device))
     assert penalised.tolist() == [[0.0, -(2 * 0.5 + 0.25), -(0.5 + 0.25), 0.0]]
+
+
+def test_each_row_penalises_its_own_prompt_whose_tokens_are_built_once_per_request():
+    """Rows sharing params (offline, one SamplingParams for many prompts) each penalise their
+    own prompt's tokens; a prompt's tokens go to the device once per request, kept from
+    step to step, and are dropped once no row has them."""
+    logits = torch.tensor([[2.0, 1.9, 0.0, 0.0]] * 3)
+    params = SamplingParams(temperature=0.0, repetition_penalty=4.0)
+    a, b = [0, 3], [1, 3]
+    rows = [Row(params, prompt_token_ids=a), Row(params, prompt_token_ids=b), Row(params, prompt_token_ids=a)]
+    sampler = make_sampler(4)
+    assert sampler(logits, rows).token_ids == [1, 0, 1]
+    mask = sampler._prompts[id(a)][1]
+    assert sampler(logits[:1], rows[:1]).token_ids == [1]
+    assert sampler._prompts[id(a)][1] is mask and set(sampler._prompts) == {id(a)}
 
 
 def test_penalties_change_greedy_choice_only_for_penalised_rows():
