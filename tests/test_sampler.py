@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,6 +15,7 @@ from worker.sampler import (
     _apply_penalties,
     _apply_top_p,
     _apply_top_p_sorted,
+    _BadWords,
 )
 
 EOS = 3
@@ -115,6 +117,30 @@ def test_each_row_penalises_its_own_prompt_whose_tokens_are_built_once_per_reque
     mask = sampler._prompts[id(a)][1]
     assert sampler(logits[:1], rows[:1]).token_ids == [1]
     assert sampler._prompts[id(a)][1] is mask and set(sampler._prompts) == {id(a)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bad_words_ban_what_a_word_by_word_check_bans(seed):
+    """vLLM V1's rule, checked word by word here: a word's last token is banned where its
+    earlier tokens end the output, a one-token word always. The sampler's lookups ban the
+    same, and a request's are built once and kept from step to step."""
+    rng = random.Random(seed)
+    words = [[rng.randrange(6) for _ in range(rng.randint(1, 4))] for _ in range(30)]
+    lookups = _BadWords(words)
+    for _ in range(200):
+        output = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+        expected = {word[-1] for word in words
+                    if len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == word[:-1]}
+        assert set(lookups.due(output)) == expected, (output, words)
+    row = Row(SamplingParams(temperature=0.0, bad_words=["x"]), output_token_ids=[1, 2], bad_words_token_ids=words)
+    sampler = make_sampler(6)
+    for _ in range(2):
+        token = sampler(torch.randn(1, 6), [row]).token_ids[0]
+        assert token not in lookups.due(row.output_token_ids) or token == NO_TOKEN_ALLOWED
+        assert [entry.words for entry in sampler._bad_words.values()] == [words]
+    built = sampler._bad_words[id(words)]
+    sampler(torch.randn(1, 6), [row])
+    assert sampler._bad_words[id(words)] is built
 
 
 def test_penalties_change_greedy_choice_only_for_penalised_rows():

@@ -112,6 +112,9 @@ class Sampler:
         # Each params' token rules on the device (_TokenRules), by id(params) (the params
         # kept, so the id stays theirs): kept while a row of the last step had them.
         self._rules: dict[int, _TokenRules] = {}
+        # Each request's bad words as lookups (_BadWords), by id(its token id lists), kept
+        # with them while a row has them.
+        self._bad_words: dict[int, _BadWords] = {}
         # The tokens of each prompt, a [vocab] bool row on the device for the repetition
         # penalty, by id(prompt list) (kept with it, as _rules): kept while a row has them.
         self._prompts: dict[int, tuple[list[int], torch.Tensor]] = {}
@@ -141,6 +144,7 @@ class Sampler:
         # Rows whose mask (grammar, allowed ids, bad words, min_tokens) might leave no token.
         masked: list[int] = []
         needs: dict[int, tuple[bool, bool, bool, bool, bool, bool] | None] = {}
+        bad_words: dict[int, _BadWords] = {}
         for i, row in enumerate(rows):
             p = row.params
             key = id(p)
@@ -155,9 +159,10 @@ class Sampler:
                 sampled_rows.append(i)
             if token_rules:
                 ruled.append(i)
-                for banned in _bad_words_due(row):
-                    banned_rows.append(i)
-                    banned_tokens.append(banned)
+                if row.bad_words_token_ids:
+                    banned = self._bad_words_of(row.bad_words_token_ids, bad_words).due(row.output_token_ids)
+                    banned_rows += [i] * len(banned)
+                    banned_tokens += banned
             if penalties:
                 penalised.append(i)
             if min_tokens and row.num_output_tokens < p.min_tokens:
@@ -170,6 +175,7 @@ class Sampler:
             if logprobs:
                 wanted.append(i)
 
+        self._bad_words = bad_words
         processed = raw
         if ruled:
             processed = _apply_token_rules(processed, ruled, self._token_rules([rows[i].params for i in ruled], raw.device))
@@ -226,6 +232,15 @@ class Sampler:
                     prompt, _token_counts([prompt], self.vocab_size, device)[0] > 0)
         self._prompts = kept
         return torch.stack([kept[id(row.prompt_token_ids)][1] for row in rows])
+
+    def _bad_words_of(self, words: list[list[int]], kept: dict[int, _BadWords]) -> _BadWords:
+        """The request's _BadWords (built once per request, kept in `kept` for this step)."""
+        key = id(words)
+        found = kept.get(key) or self._bad_words.get(key)
+        if found is None or found.words is not words:
+            found = _BadWords(words)
+        kept[key] = found
+        return found
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         """What min_tokens holds back: the request's stop_token_ids and eos, even with
@@ -307,17 +322,31 @@ def _mark_rows_without_a_token(logits: torch.Tensor, token_ids: torch.Tensor, ro
     return token_ids.index_put((index,), torch.where(none_left, NO_TOKEN_ALLOWED, chosen))
 
 
-def _bad_words_due(row: SamplingRow) -> list[int]:
-    """The tokens that would complete one of the row's bad words now: a word's last token,
-    where its earlier tokens end the output (vLLM V1's rule: a one-token word is always
-    banned; the prompt does not count)."""
-    banned = []
-    output = row.output_token_ids
-    for word in row.bad_words_token_ids:
-        prefix = len(word) - 1
-        if prefix == 0 or (len(output) >= prefix and output[-prefix:] == word[:-1]):
-            banned.append(word[-1])
-    return banned
+class _BadWords:
+    """A request's bad words (token id sequences) as lookups, each word's last token by the
+    tokens before it: a step checks one tail of the output per word length, not every word
+    (2,048 sequences were ~2 ms of every step for n=8 rows)."""
+
+    __slots__ = ("words", "always", "by_prefix")
+
+    def __init__(self, words: list[list[int]]):
+        self.words = words
+        self.always = [word[0] for word in words if len(word) == 1]
+        # len(prefix) -> {prefix: the last tokens of the words it begins}
+        self.by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for word in words:
+            if len(word) > 1:
+                self.by_prefix.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), []).append(word[-1])
+
+    def due(self, output: list[int]) -> list[int]:
+        """The tokens that would complete a bad word now: a word's last token, where its
+        earlier tokens end the output (vLLM V1's rule: a one-token word is always banned;
+        the prompt does not count)."""
+        banned = list(self.always)
+        for length, table in self.by_prefix.items():
+            if len(output) >= length and (last := table.get(tuple(output[-length:]))):
+                banned += last
+        return banned
 
 
 @dataclass
