@@ -114,9 +114,9 @@ def test_each_row_penalises_its_own_prompt_whose_tokens_are_built_once_per_reque
     rows = [Row(params, prompt_token_ids=a), Row(params, prompt_token_ids=b), Row(params, prompt_token_ids=a)]
     sampler = make_sampler(4)
     assert sampler(logits, rows).token_ids == [1, 0, 1]
-    mask = sampler._prompts[id(a)][1]
+    mask = sampler._prompts.kept()[id(a)]
     assert sampler(logits[:1], rows[:1]).token_ids == [1]
-    assert sampler._prompts[id(a)][1] is mask and set(sampler._prompts) == {id(a)}
+    assert sampler._prompts.kept() == {id(a): mask}
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -137,10 +137,10 @@ def test_bad_words_ban_what_a_word_by_word_check_bans(seed):
     for _ in range(2):
         token = sampler(torch.randn(1, 6), [row]).token_ids[0]
         assert token not in lookups.due(row.output_token_ids) or token == NO_TOKEN_ALLOWED
-        assert [entry.words for entry in sampler._bad_words.values()] == [words]
-    built = sampler._bad_words[id(words)]
+        assert [entry.words for entry in sampler._bad_words.kept().values()] == [words]
+    built = sampler._bad_words.kept()[id(words)]
     sampler(torch.randn(1, 6), [row])
-    assert sampler._bad_words[id(words)] is built
+    assert sampler._bad_words.kept()[id(words)] is built
 
 
 def test_penalties_change_greedy_choice_only_for_penalised_rows():
@@ -271,11 +271,11 @@ def test_token_rules_are_built_once_per_request_and_shared_by_its_rows():
             allowed = row.params.allowed_token_ids or list(range(vocab))
             bias = row.params.logit_bias or {}
             assert out.token_ids[i] == max(allowed, key=lambda t: logits[i, t].item() + bias.get(t, 0.0))
-        assert {key: (~rules.barred).nonzero().flatten().tolist() for key, rules in sampler._rules.items()
+        assert {key: (~rules.barred).nonzero().flatten().tolist() for key, rules in sampler._rules.kept().items()
                 if rules.barred is not None} == {id(first): first.allowed_token_ids, id(second): second.allowed_token_ids}
-    rules = sampler._rules[id(first)]
+    rules = sampler._rules.kept()[id(first)]
     sampler(torch.randn(2, vocab), [Row(first), Row(first)])
-    assert sampler._rules[id(first)] is rules and set(sampler._rules) == {id(first)}
+    assert sampler._rules.kept() == {id(first): rules}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -23,7 +23,7 @@ and `to_host()` waits for it, a step later when steps overlap. No per-row `.item
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,15 +109,14 @@ class Sampler:
         self.eos_token_ids = set(eos_token_ids)
         # Noise for unseeded rows; None uses torch's default generator of the logits' device.
         self.generator = generator
-        # Each params' token rules on the device (_TokenRules), by id(params) (the params
-        # kept, so the id stays theirs): kept while a row of the last step had them.
-        self._rules: dict[int, _TokenRules] = {}
-        # Each request's bad words as lookups (_BadWords), by id(its token id lists), kept
-        # with them while a row has them.
-        self._bad_words: dict[int, _BadWords] = {}
-        # The tokens of each prompt, a [vocab] bool row on the device for the repetition
-        # penalty, by id(prompt list) (kept with it, as _rules): kept while a row has them.
-        self._prompts: dict[int, tuple[list[int], torch.Tensor]] = {}
+        # What a step builds from a request's params and lists, kept while its rows run: a
+        # request's lists can cover most of the vocabulary, and building from them at every
+        # step cost everyone in its batch (vocab 49,152, one CPU thread, n=8 rows: 40,000
+        # allowed ids 43-48 ms a step, 40,000 biases 110 ms, an 8,000-token prompt's
+        # repetition penalty ~9-16 ms, 2,048 bad-word sequences 2.5 ms).
+        self._rules = _KeptWhileUsed(lambda params, device: _TokenRules.of(params, vocab_size, device))
+        self._prompts = _KeptWhileUsed(lambda prompt, device: _token_counts([prompt], vocab_size, device)[0] > 0)
+        self._bad_words = _KeptWhileUsed(lambda words, device: _BadWords(words))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -144,7 +143,8 @@ class Sampler:
         # Rows whose mask (grammar, allowed ids, bad words, min_tokens) might leave no token.
         masked: list[int] = []
         needs: dict[int, tuple[bool, bool, bool, bool, bool, bool] | None] = {}
-        bad_words: dict[int, _BadWords] = {}
+        for cache in (self._rules, self._prompts, self._bad_words):
+            cache.new_step()
         for i, row in enumerate(rows):
             p = row.params
             key = id(p)
@@ -160,7 +160,7 @@ class Sampler:
             if token_rules:
                 ruled.append(i)
                 if row.bad_words_token_ids:
-                    banned = self._bad_words_of(row.bad_words_token_ids, bad_words).due(row.output_token_ids)
+                    banned = self._bad_words.get(row.bad_words_token_ids, raw.device).due(row.output_token_ids)
                     banned_rows += [i] * len(banned)
                     banned_tokens += banned
             if penalties:
@@ -175,10 +175,9 @@ class Sampler:
             if logprobs:
                 wanted.append(i)
 
-        self._bad_words = bad_words
         processed = raw
         if ruled:
-            processed = _apply_token_rules(processed, ruled, self._token_rules([rows[i].params for i in ruled], raw.device))
+            processed = _apply_token_rules(processed, ruled, [self._rules.get(rows[i].params, raw.device) for i in ruled])
         if banned_rows:
             processed = _ban(processed, banned_rows, banned_tokens)
         if penalised:
@@ -201,46 +200,12 @@ class Sampler:
             tensors = logprob_tensors(wanted_raw, chosen, max(counts))
         return DeviceSample(token_ids, len(rows), wanted, counts, tensors)
 
-    def _token_rules(self, params: list[SamplingParams], device: torch.device) -> list[_TokenRules]:
-        """Each params' _TokenRules, built once per request, not at every step for each of
-        its rows: a request's lists can cover most of the vocabulary, and turning them into
-        masks at every step cost everyone in its batch (8 rows of 40,000 allowed ids 43-48 ms
-        a step, of 40,000 biases 110 ms; vocab 49,152, one CPU thread)."""
-        kept: dict[int, _TokenRules] = {}
-        for p in params:
-            key = id(p)
-            if key not in kept:
-                rules = self._rules.get(key)
-                kept[key] = rules if rules is not None and rules.params is p else _TokenRules.of(p, self.vocab_size, device)
-        self._rules = kept
-        return [kept[id(p)] for p in params]
-
     def _prompt_tokens(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor | None:
         """[rows, vocab] bool, the tokens of each row's prompt, for the repetition penalty
-        (None when no row has one). Built once per request, not at every step: a long
-        prompt's ids went to the device at every step of each of its rows (8 rows of an
-        8,000-token prompt: ~9 ms of every step of the batch; vocab 49,152, one CPU thread)."""
+        (None when no row has one)."""
         if all(row.params.repetition_penalty == 1.0 for row in rows):
             return None
-        kept: dict[int, tuple[list[int], torch.Tensor]] = {}
-        for row in rows:
-            prompt = row.prompt_token_ids
-            key = id(prompt)
-            if key not in kept:
-                cached = self._prompts.get(key)
-                kept[key] = cached if cached is not None and cached[0] is prompt else (
-                    prompt, _token_counts([prompt], self.vocab_size, device)[0] > 0)
-        self._prompts = kept
-        return torch.stack([kept[id(row.prompt_token_ids)][1] for row in rows])
-
-    def _bad_words_of(self, words: list[list[int]], kept: dict[int, _BadWords]) -> _BadWords:
-        """The request's _BadWords (built once per request, kept in `kept` for this step)."""
-        key = id(words)
-        found = kept.get(key) or self._bad_words.get(key)
-        if found is None or found.words is not words:
-            found = _BadWords(words)
-        kept[key] = found
-        return found
+        return torch.stack([self._prompts.get(row.prompt_token_ids, device) for row in rows])
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         """What min_tokens holds back: the request's stop_token_ids and eos, even with
@@ -320,6 +285,35 @@ def _mark_rows_without_a_token(logits: torch.Tensor, token_ids: torch.Tensor, ro
     chosen = token_ids[index]
     none_left = logits[index, chosen.clamp(0, logits.shape[1] - 1)] == float("-inf")
     return token_ids.index_put((index,), torch.where(none_left, NO_TOKEN_ALLOWED, chosen))
+
+
+class _KeptWhileUsed:
+    """What `build(source, device)` makes of a request's params or lists, made once and kept
+    while each step uses it: new_step() starts a step, and whatever the step before got and
+    this one does not is dropped. By identity: each entry keeps its source, so an id stays
+    that source's while the entry lives."""
+
+    def __init__(self, build: Callable[[object, torch.device], object]):
+        self._build = build
+        self._before: dict[int, tuple[object, object]] = {}
+        self._now: dict[int, tuple[object, object]] = {}
+
+    def new_step(self) -> None:
+        self._before, self._now = self._now, {}
+
+    def get(self, source, device: torch.device):
+        key = id(source)
+        entry = self._now.get(key)
+        if entry is None:
+            entry = self._before.get(key)
+            if entry is None or entry[0] is not source:
+                entry = (source, self._build(source, device))
+            self._now[key] = entry
+        return entry[1]
+
+    def kept(self) -> dict[int, object]:
+        """The step's values, by id of their source."""
+        return {key: value for key, (_, value) in self._now.items()}
 
 
 class _BadWords:
