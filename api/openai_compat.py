@@ -103,9 +103,13 @@ class OpenAITranslator:
                 requests = body.generate_requests()
             return [self._prepared(request, body) for request in requests]
         except ValidationError as exc:
-            raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
+            error = ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors()))
         except ValueError as exc:
-            raise bad_request(exc) from None
+            error = bad_request(exc)
+        if body.use_beam_search and error.param == "beam_width":
+            # The width of a beam search is OpenAI's `n` (generate_requests renames it): name what the client sent.
+            error = ApiError(400, "n" + str(error.detail).removeprefix("beam_width"), param="n")
+        raise error
 
     def _prepared(self, request: GenerateRequest, body: OpenAIRequest) -> tuple[GenerateRequest, list[int]]:
         request = self.checker.with_generation_defaults(request)

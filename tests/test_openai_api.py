@@ -208,6 +208,11 @@ def test_a_finished_stream_ends_from_its_end_event_without_reading_the_job(servi
         ("/v1/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
          "stream_options.usage", "Extra inputs"),
         ("/v1/completions", {"model": "M"}, 400, "prompt", "Field required"),
+        # Beam search's width is `n` on the OpenAI routes: its errors name `n`, not the native beam_width.
+        ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "n": 256}, 400, "n",
+         "n: Input should be less than or equal to 64"),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "use_beam_search": True,
+                                  "n": 65, "max_tokens": 5}, 400, "n", "n: Input should be less than or equal to 64"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens",
          "min_tokens: must be at most max_tokens (9 > 3)"),
         ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages", "at least 1"),
