@@ -49,6 +49,16 @@ class ApiError(HTTPException):
         self.code = code
 
 
+# An Idempotency-Key reused with another request body: 422, on every route that takes the key,
+# as the IETF's Idempotency-Key header draft (draft-ietf-httpapi-idempotency-key-header) answers it.
+IDEMPOTENCY_CONFLICT_STATUS = 422
+IDEMPOTENCY_CONFLICT_CODE = "idempotency_conflict"
+
+
+def idempotency_conflict(message: str) -> ApiError:
+    return ApiError(IDEMPOTENCY_CONFLICT_STATUS, message, code=IDEMPOTENCY_CONFLICT_CODE)
+
+
 def bad_request(exc: ValueError) -> ApiError:
     """400 for input a check refused; `param`: the field its message starts with."""
     return ApiError(400, str(exc), param=named_field(str(exc)))

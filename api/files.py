@@ -4,7 +4,7 @@ Metadata lives in Redis, so any api replica serves any file; contents live in Re
 with `files_dir`, in that directory (which every replica must then mount). Both expire
 after `files_ttl_s` in Redis; a directory is never pruned by pagedq. An upload is written
 aside, then put in place under its id only if the id is new: a repeated upload with the
-same Idempotency-Key and content answers the first file, with other content a 409.
+same Idempotency-Key and content answers the first file, with other content a 422.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from redis import Redis
 
 from api.auth import Caller, authenticate
-from api.errors import ApiError
+from api.errors import ApiError, idempotency_conflict
 from api.threads import blocking
 from pagedq.redis_schema import FILES_KEY, file_content_key, file_meta_key
 from pagedq.settings import Settings
@@ -258,7 +258,7 @@ async def upload_file(
     except FileTooLarge as exc:
         raise ApiError(413, str(exc), param="file") from None
     except FileConflict:
-        raise ApiError(409, "Idempotency-Key: already used for a file with other content", code="idempotency_conflict") from None
+        raise idempotency_conflict("Idempotency-Key: already used for a file with other content") from None
     return _public(stored)
 
 

@@ -12,7 +12,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from api.auth import Caller, authenticate, authenticate_probe
-from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response
+from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response, idempotency_conflict
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, PreparedJob, QueueFull
 from api.prompts import PromptChecker, tokenized_inline
 from api.streaming import StreamReader, valid_stream_id
@@ -66,7 +66,7 @@ async def generate(
     except QueueFull as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(request.app.state.settings.retry_after_s)}) from exc
     except IdempotencyConflict as exc:
-        raise ApiError(422, str(exc)) from exc
+        raise idempotency_conflict(str(exc)) from exc
     return SubmitResponse(seq_id=prepared.seq_id, status=status, result_url=result_url(request, prepared.seq_id))
 
 

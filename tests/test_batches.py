@@ -251,7 +251,13 @@ def test_files_limits_idempotency_and_a_files_directory(service, model, tmp_path
             assert again.json() == first
             conflict = http.post("/files", files={"file": ("a.jsonl", content + b"\n")}, data={"purpose": "batch"},
                                  headers={"Idempotency-Key": "k1"})
-            assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "idempotency_conflict"
+            assert conflict.status_code == 422 and conflict.json()["error"]["code"] == "idempotency_conflict"
+            # A batch's key as a file's and a job's: the same batch again, another body a 422 (not a 409).
+            batch = {"input_file_id": first["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+            created = http.post("/batches", json=batch, headers={"Idempotency-Key": "b1"}).json()
+            assert http.post("/batches", json=batch, headers={"Idempotency-Key": "b1"}).json()["id"] == created["id"]
+            other = http.post("/batches", json={**batch, "metadata": {"x": "y"}}, headers={"Idempotency-Key": "b1"})
+            assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict"
             too_big = http.post("/files", files={"file": ("big.jsonl", b"x" * 1001)}, data={"purpose": "batch"})
             assert too_big.status_code == 413 and "PAGEDQ_MAX_FILE_BYTES" in too_big.json()["error"]["message"]
             assert sorted(p.name for p in files_dir.iterdir()) == [first["id"]]  # nothing left behind

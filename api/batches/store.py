@@ -53,7 +53,7 @@ from api.batches.schemas import (
     line_job_id,
     response_line,
 )
-from api.errors import ApiError, openai_error_body
+from api.errors import IDEMPOTENCY_CONFLICT_CODE, IDEMPOTENCY_CONFLICT_STATUS, ApiError, openai_error_body
 from api.files import FileConflict, FileStore
 from api.jobs import JobStore, invalid_input
 from api.openai_compat import REQUEST_MODELS, OpenAITranslator
@@ -167,7 +167,8 @@ class BatchStore:
         else:
             existing = self.get(batch_id, caller)
             if existing is None or existing.request_sha256 != request_sha256:
-                raise BatchRefused(409, "Idempotency-Key: already used for a different batch", code="idempotency_conflict")
+                raise BatchRefused(IDEMPOTENCY_CONFLICT_STATUS, "Idempotency-Key: already used for a different batch",
+                                   code=IDEMPOTENCY_CONFLICT_CODE)
         # Runs (or resumes) the fan-out now, so the answer says which lines were accepted.
         return self.advance(batch_id, wait_s=30.0) or record
 
