@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from pagedq.redis_connection import passing_redis_trouble
-from pagedq.request_rules import describe_error
+from pagedq.request_rules import IDEMPOTENCY_KEY, describe_error
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -57,6 +57,12 @@ IDEMPOTENCY_CONFLICT_CODE = "idempotency_conflict"
 
 def idempotency_conflict(message: str) -> ApiError:
     return ApiError(IDEMPOTENCY_CONFLICT_STATUS, message, code=IDEMPOTENCY_CONFLICT_CODE)
+
+
+def check_idempotency_key(key: str | None) -> None:
+    """400 for an Idempotency-Key header that request_rules.IDEMPOTENCY_KEY refuses."""
+    if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+        raise ApiError(400, "Idempotency-Key: 1 to 255 printable ASCII characters, no spaces", param="Idempotency-Key")
 
 
 def bad_request(exc: ValueError) -> ApiError:

@@ -12,7 +12,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from api.auth import Caller, authenticate, authenticate_probe
-from api.errors import REDIS_RETRY_AFTER_S, ApiError, error_response, idempotency_conflict
+from api.errors import REDIS_RETRY_AFTER_S, ApiError, check_idempotency_key, error_response, idempotency_conflict
 from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, PreparedJob, QueueFull
 from api.prompts import PromptChecker, tokenized_inline
 from api.streaming import StreamReader, valid_stream_id
@@ -22,7 +22,6 @@ from pagedq.metrics import CONTENT_TYPE
 from pagedq.protocol import SEQ_ID_PATTERN, ErrorResponse, GenerateRequest, ResultResponse, SubmitResponse
 from pagedq.redis_connection import passing_redis_trouble
 from pagedq.redis_schema import READY_PROBE_KEY, READY_PROBE_TTL_S
-from pagedq.request_rules import IDEMPOTENCY_KEY
 
 # Who calls (api.auth.ANYONE with auth off); module-level so FastAPI can resolve the annotation.
 Auth = Annotated[Caller, Depends(authenticate)]
@@ -44,8 +43,7 @@ async def generate(
     caller: Auth,
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> SubmitResponse:
-    if idempotency_key is not None and not IDEMPOTENCY_KEY.fullmatch(idempotency_key):
-        raise ApiError(400, "Idempotency-Key: 1 to 255 printable ASCII characters, no spaces")
+    check_idempotency_key(idempotency_key)
     store: JobStore = request.app.state.store
     checker: PromptChecker = request.app.state.prompts
 

@@ -22,14 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from api.auth import ANYONE, Caller, authenticate
-from api.errors import ApiError, bad_request, describe_validation_errors, first_field, named_field, openai_error_body
+from api.errors import (
+    ApiError,
+    bad_request,
+    check_idempotency_key,
+    describe_validation_errors,
+    first_field,
+    idempotency_conflict,
+    named_field,
+    openai_error_body,
+)
 from pagedq.redis_connection import passing_redis_trouble
-from api.jobs import AlreadyFinished, JobStore, QueueFull, invalid_input
+from api.jobs import AlreadyFinished, IdempotencyConflict, JobStore, QueueFull, invalid_input
 from api.openai_schemas import COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from api.prompts import PromptChecker, tokenized_inline
 from api.threads import blocking
@@ -285,18 +294,24 @@ async def get_model(model: str, request: Request) -> dict:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
-    return await serve(request, COMPLETIONS, body, caller)
+async def completions(body: CompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)],
+                      idempotency_key: Annotated[str | None, Header()] = None):
+    return await serve(request, COMPLETIONS, body, caller, idempotency_key)
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
-    return await serve(request, CHAT, body, caller)
+async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)],
+                           idempotency_key: Annotated[str | None, Header()] = None):
+    return await serve(request, CHAT, body, caller, idempotency_key)
 
 
-async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller) -> JSONResponse | StreamingResponse:
+async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller,
+                idempotency_key: str | None = None) -> JSONResponse | StreamingResponse:
     """A validated request's jobs queued, answered as the endpoint answers (also what
-    /v1/responses builds on)."""
+    /v1/responses builds on). With an `idempotency_key`, a retry of the same body answers
+    from the same jobs (another body: 422), and a client that goes away leaves them running
+    for its retry instead of canceling them."""
+    check_idempotency_key(idempotency_key)
     translator = _translator(request)
     store: JobStore = request.app.state.store
     settings: Settings = request.app.state.settings
@@ -308,7 +323,8 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
 
     inline = isinstance(body, CompletionRequest) and tokenized_inline(body.prompts)
     tools, prompts = plan() if inline else await blocking(request, plan)
-    prepared = [store.prepare(generate, ids, None, caller.tenant) for generate, ids in prompts]
+    keys = [None if idempotency_key is None else f"{idempotency_key}\0{endpoint}\0{index}" for index in range(len(prompts))]
+    prepared = [store.prepare(generate, ids, key, caller.tenant) for (generate, ids), key in zip(prompts, keys)]
     round_trip = request.app.state.round_trip
     outcomes = await asyncio.gather(*(store.enqueue(round_trip, job) for job in prepared), return_exceptions=True)
     # One job per prompt; should one not be queued, the others are canceled.
@@ -318,7 +334,8 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
-            store.settle(job, outcome)
+            if store.settle(job, outcome) is None:
+                await blocking(request, store.replay, job)  # the key's job exists: the same body's, or a 422
             jobs.append(_Job(job.seq_id, generate, prompt_token_ids, len(jobs) * generate.n))
         except BaseException as exc:
             failure = failure or exc
@@ -326,13 +343,16 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         await blocking(request, lambda: [_cancel(store, job.seq_id) for job in jobs])
         if isinstance(failure, QueueFull):
             raise ApiError(429, str(failure), {"Retry-After": str(settings.retry_after_s)}) from failure
+        if isinstance(failure, IdempotencyConflict):
+            raise idempotency_conflict(str(failure)) from failure
         raise failure
     echo = None
     if isinstance(body, CompletionRequest) and body.echo:
         echo = await blocking(request, translator.echo_texts, [(job.generate, job.prompt_token_ids) for job in jobs])
     if body.stream:
         return StreamingResponse(
-            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, tools, echo),
+            _stream(request, endpoint, jobs, body.include_usage, body.continuous_usage, tools, echo,
+                    cancel_when_gone=idempotency_key is None),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     deadline = time.monotonic() + settings.completion_timeout_s
@@ -340,6 +360,8 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
         state = await _wait(request, job.seq_id, deadline - time.monotonic())
         if state in TERMINAL:
             continue
+        if idempotency_key is not None and await request.is_disconnected():
+            return JSONResponse({})  # nobody reads it; the jobs run on for the client's retry
         try:
             await blocking(request, store.cancel, job.seq_id, ANYONE)
         except AlreadyFinished:
@@ -420,7 +442,7 @@ class _StreamError(Exception):
 
 async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], include_usage: bool,
                   continuous_usage: bool, tools: tool_choice.ToolPlan | None,
-                  echo: list[str] | None = None) -> AsyncIterator[str]:
+                  echo: list[str] | None = None, cancel_when_gone: bool = True) -> AsyncIterator[str]:
     """The jobs' deltas as OpenAI chunks (a choice per output, numbered across the jobs of
     a prompt list), then the usage chunk if asked for, then `data: [DONE]`. Every chunk
     carries `usage`: null, or with vLLM's continuous_usage_stats its choice's usage so far.
@@ -428,7 +450,9 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
     sends them: sent when the job is queued, they would make a client's time to first
     token the queueing time. With `tools` (a chat request's ToolPlan) each output's text
     goes out as content and tool-call deltas; a chunk with nothing to say yet is left out.
-    `echo`: each job's prompt text, before its choices' first text."""
+    `echo`: each job's prompt text, before its choices' first text. `cancel_when_gone`: the
+    jobs still running when the client goes away are canceled (not for an Idempotency-Key's:
+    its retry follows them)."""
     translator = _translator(request)
     chat = endpoint == CHAT
     base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{jobs[0].seq_id}",
@@ -545,7 +569,7 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
         yield "".join(tail) + _sse("[DONE]")
     finally:
         unfinished = [job.seq_id for job in jobs if job.seq_id not in ended]
-        if unfinished:
+        if unfinished and cancel_when_gone:
             _cancel_in_background(request, unfinished)
 
 

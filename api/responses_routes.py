@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
@@ -196,7 +196,8 @@ def _response(body: ResponsesRequest, response_id: str, model: str, created: int
 @router.post("/responses", response_model=ResponseObject,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "The Response, or with stream=true its events (server-sent)."}})
-async def create_response(body: ResponsesRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)]):
+async def create_response(body: ResponsesRequest, request: Request, caller: Annotated[Caller, Depends(authenticate)],
+                          idempotency_key: Annotated[str | None, Header()] = None):
     """Text in (a string or a list of messages, with optional `instructions`), text out;
     with `stream: true` the answer is the Responses API's events, ending with
     `response.completed`."""
@@ -204,7 +205,7 @@ async def create_response(body: ResponsesRequest, request: Request, caller: Anno
         chat = body.chat_request()
     except ValueError as exc:
         raise bad_request(exc) from None
-    answer = await serve(request, CHAT, chat, caller)
+    answer = await serve(request, CHAT, chat, caller, idempotency_key)
     if isinstance(answer, StreamingResponse):
         return StreamingResponse(_events(body, answer.body_iterator), media_type="text/event-stream",
                                  headers=dict(answer.headers))

@@ -279,6 +279,42 @@ def test_a_client_that_disconnects_from_a_stream_cancels_its_job(service, model)
     assert len(job.meta.get("progress", {}).get("token_ids", [])) < 900
 
 
+def _stream_texts(events: str) -> tuple[set[str], str]:
+    """The ids and the joined text of an SSE completion stream's chunks."""
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events.splitlines()
+              if line.startswith("data: {")]
+    return {chunk["id"] for chunk in chunks}, "".join(c["text"] for chunk in chunks for c in chunk["choices"])
+
+
+def test_an_idempotency_key_makes_a_retry_follow_the_same_jobs(service, model):
+    """With an Idempotency-Key, a retried /v1 request answers from the jobs the first one
+    queued (one per prompt of a list); the key with another body is a 422; a stream its
+    client drops leaves its job running, and the retry streams that job whole."""
+    api, redis = service
+    url = f"{api.url}/v1/completions"
+    body = {"model": model.name, "prompt": ["one", "two"], "max_tokens": 6, "temperature": 1.0}
+    first = httpx.post(url, json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60).json()
+    again = httpx.post(url, json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60).json()
+    assert (again["id"], again["choices"]) == (first["id"], first["choices"])
+    assert httpx.post(url, json=body, timeout=60).json()["id"] != first["id"]  # no key: new jobs
+    other = httpx.post(url, json={**body, "max_tokens": 7}, headers={"Idempotency-Key": "retry-1"}, timeout=60)
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict"
+    bad = httpx.post(url, json=body, headers={"Idempotency-Key": "two words"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
+
+    streamed = {"model": model.name, "prompt": "go on", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+    headers = {"Idempotency-Key": "retry-2"}
+    with httpx.Client(timeout=30) as http, http.stream("POST", url, json=streamed, headers=headers) as response:
+        first_line = next(line for line in response.iter_lines() if line.startswith("data: {"))
+    seq_id = json.loads(first_line.removeprefix("data: "))["id"].removeprefix("cmpl-")
+    time.sleep(1.0)  # a dropped stream without a key is canceled by now
+    assert Job.fetch(seq_id, connection=redis, serializer=JSONSerializer).get_status() != "canceled"
+    ids, text = _stream_texts(httpx.post(url, json=streamed, headers=headers, timeout=120).text)
+    assert ids == {f"cmpl-{seq_id}"}
+    assert text == httpx.post(url, json={**streamed, "stream": False}, timeout=120).json()["choices"][0]["text"]
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """Every sample of a /metrics page, parsed by prometheus-client's own parser."""
     text = httpx.get(url, timeout=10).text
