@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from redis import Redis
 
 from api.auth import Caller, authenticate
-from api.errors import ApiError, idempotency_conflict
+from api.errors import ApiError, check_idempotency_key, idempotency_conflict
 from api.threads import blocking
 from pagedq.redis_schema import FILES_KEY, file_content_key, file_meta_key
 from pagedq.settings import Settings
@@ -246,6 +246,7 @@ async def upload_file(
     purpose: Annotated[str, Form()],
     idempotency_key: Annotated[str | None, Header()] = None,
 ) -> dict:
+    check_idempotency_key(idempotency_key)
     if purpose != "batch":
         raise ApiError(400, f"purpose: only 'batch' files are accepted, got {purpose!r}", param="purpose")
     files: FileStore = request.app.state.files

@@ -258,6 +258,10 @@ def test_files_limits_idempotency_and_a_files_directory(service, model, tmp_path
             assert http.post("/batches", json=batch, headers={"Idempotency-Key": "b1"}).json()["id"] == created["id"]
             other = http.post("/batches", json={**batch, "metadata": {"x": "y"}}, headers={"Idempotency-Key": "b1"})
             assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict"
+            for path, kwargs in (("/batches", {"json": batch}),
+                                 ("/files", {"files": {"file": ("a.jsonl", content)}, "data": {"purpose": "batch"}})):
+                bad_key = http.post(path, headers={"Idempotency-Key": "two words"}, **kwargs)
+                assert bad_key.status_code == 400 and bad_key.json()["error"]["param"] == "Idempotency-Key"
             too_big = http.post("/files", files={"file": ("big.jsonl", b"x" * 1001)}, data={"purpose": "batch"})
             assert too_big.status_code == 413 and "PAGEDQ_MAX_FILE_BYTES" in too_big.json()["error"]["message"]
             assert sorted(p.name for p in files_dir.iterdir()) == [first["id"]]  # nothing left behind

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from api.auth import Caller, authenticate
 from api.batches.schemas import BatchCreate, BatchRecord
 from api.batches.store import BatchRefused, BatchStore
-from api.errors import ApiError
+from api.errors import ApiError, check_idempotency_key
 from api.threads import blocking
 
 router = APIRouter(prefix="/v1/batches", tags=["Batch API"])
@@ -39,6 +39,7 @@ async def _call(request: Request, method, *args):
 async def create_batch(
     body: BatchCreate, request: Request, caller: Auth, idempotency_key: Annotated[str | None, Header()] = None,
 ) -> dict:
+    check_idempotency_key(idempotency_key)
     record = await _call(request, _store(request).create, body, idempotency_key, caller)
     request.app.state.metrics.batches_created.inc()
     return record.public()
