@@ -10,10 +10,12 @@ before truncation: vLLM V1 runs it as an argmax-invariant logits processor ahead
 top-k/top-p sampler), top-k and top-p, and draw by
 inverse CDF: one uniform number per row, looked up in the row's cumulative
 probabilities. A seeded row takes its number from its own generator, so it samples the
-same tokens alone or in any batch. A row whose masks leave no token at all gets
-NO_TOKEN_ALLOWED, never a token they forbid: its request fails, on its own input. (vLLM's exponential race needs a random number per
+same tokens alone or in any batch. (vLLM's exponential race needs a random number per
 vocabulary entry; on a CPU drawing those cost more than the model's matmuls.) Every
-stage runs batched over the rows that need it and is skipped when none do.
+stage runs batched over the rows that need it and is skipped when none do; what a stage
+builds from a request's own lists (its allowed ids, biases, bad words, prompt) is built
+once and kept while the request runs. A row whose masks leave no token at all gets
+NO_TOKEN_ALLOWED, never a token they forbid: its request fails, on its own input.
 
 `sample()` only queues device work and returns a `DeviceSample`: the step's token ids
 (and logprobs, for the rows that ask) stay on the device, where the next step reads its
