@@ -15,6 +15,7 @@ never waits for a thread's.
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -182,14 +183,24 @@ class PromptChecker:
         # template variables (add_generation_prompt, tokenize, ...) are dropped.
         template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k not in _TEMPLATE_ARGUMENTS}
         self._check_chars("messages", sum(len(str(message.get("content") or "")) for message in messages))
+        # A variable may be rendered once per message (a template's eos_token is): 80 KB of
+        # them made a rendered prompt that took the api's memory whole as it was tokenized.
+        if template_kwargs and (kwargs_chars := len(json.dumps(template_kwargs))) * len(messages) > self.max_prompt_chars:
+            raise PromptTooLong(
+                f"chat_template_kwargs: {kwargs_chars} characters, which the chat template may render in each of the "
+                f"{len(messages)} messages: more than a prompt holds ({self.max_prompt_chars} characters at most)"
+            )
         with self.borrowed() as tokenizer:
             try:
-                encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                        tokenize=True, **template_kwargs)
+                text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False, **template_kwargs)
             except Exception as exc:  # jinja2's errors: the template refused these messages, tools or variables
                 raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
-        # transformers 5 answers a BatchEncoding, earlier versions a list.
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            # Checked before it is tokenized (~300 bytes of memory a character): what the
+            # template added (tools, variables) counts too.
+            self._check_chars("messages", len(text))
+            # As apply_chat_template(tokenize=True) does: the template wrote the special tokens.
+            return tokenizer.encode(text, add_special_tokens=False)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's token ids, however many (POST /tokenize); bounded by characters only."""

@@ -27,9 +27,12 @@ class Recording:
     def __init__(self, tokenizer, lengths: list[int]):
         self.tokenizer, self.lengths = tokenizer, lengths
 
-    def encode(self, text: str):
+    def encode(self, text: str, **kwargs):
         self.lengths.append(len(text))
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
 
 
 def recorded(checker: PromptChecker) -> list[int]:
@@ -57,6 +60,25 @@ def test_a_long_prompt_is_refused_by_the_tokens_of_its_beginning(checker):
     assert lengths == [8 * checker.token_limit] and lengths[0] < len(text)
     # One that fits is tokenized whole, as before.
     assert checker._encode("lorem ipsum") == checker.tokenizer.encode("lorem ipsum")
+
+
+def test_a_chat_whose_template_renders_too_much_is_refused_before_it_is_tokenized(checker):
+    """The tiny model's template renders eos_token after every message, and
+    chat_template_kwargs may set it: 80 KB of it over 1,500 messages rendered a prompt whose
+    tokenizing took the api's memory whole. Variables that may render per message past a
+    prompt's length are refused unrendered, and a rendered prompt past it untokenized; a
+    chat that fits gives what apply_chat_template gives."""
+    limit = checker.max_prompt_chars
+    lengths = recorded(checker)
+    with pytest.raises(PromptTooLong, match="chat_template_kwargs"):
+        checker.chat_token_ids([{"role": "user", "content": ""}] * 1500, template_kwargs={"eos_token": "ab " * 10_000})
+    half = [{"role": "user", "content": "x" * (limit // 2 - 10)}] * 2
+    with pytest.raises(PromptTooLong, match="messages"):
+        checker.chat_token_ids(half, template_kwargs={"eos_token": "y" * (limit // 4)})
+    assert lengths == []
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yes"}]
+    expected = checker.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert checker.chat_token_ids(messages) == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
 
 
 def test_one_prompt_being_tokenized_holds_one_copy_only(checker):
