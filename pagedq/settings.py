@@ -161,6 +161,12 @@ class Settings(BaseSettings):
     )
     max_file_bytes: int = Field(100 << 20, ge=1, description="Largest file POST /v1/files accepts.")
     max_batch_requests: int = Field(50_000, ge=1, description="Most requests (lines) in one batch input file.")
+    # The api tokenizes a summary document whole to plan its chunks, at ~300 bytes of memory a
+    # character: a 30 MB document took the api down, and again at every restart.
+    max_document_chars: int = Field(
+        1_000_000, ge=1, description="Longest summary document (characters) a batch line may carry; a longer one "
+        "fails its line.",
+    )
     files_ttl_s: int = Field(30 * 24 * 3600, ge=60, description="Files and batch records are kept this long.")
     batch_priority: int = Field(10, description="Engine priority of batch requests (interactive ones default to 0; lower runs first).")
     reserved_interactive_slots: int = Field(

@@ -38,7 +38,7 @@ class Service:
         self.redis_server = RedisServer(tmp / "redis").start()
         self.redis = Redis.from_url(self.redis_server.url)
         self.settings = service_settings(model, self.redis_server.url, tmp, queue_name="sq", max_inflight=8,
-                                         max_model_len=CONTEXT, batch_poll_interval_s=0.2)
+                                         max_model_len=CONTEXT, batch_poll_interval_s=0.2, max_document_chars=50_000)
         self.worker = WorkerProcess(self.settings, tmp / "worker-0.log")
         self.api = ApiServer(self.settings).start()
 
@@ -80,6 +80,22 @@ def service(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def summarizer(service):
     return Summarizer(PromptChecker(service.settings), SummarizeOptions(**OPTIONS), service.settings.batch_priority)
+
+
+def test_a_document_past_the_limit_fails_its_line_and_the_others_run(service, tmp_path, monkeypatch, capsys):
+    """The api tokenizes a document whole to plan its chunks (a 30 MB one took its memory,
+    at every restart): past PAGEDQ_MAX_DOCUMENT_CHARS a document fails its own line, named."""
+    monkeypatch.chdir(tmp_path)
+    limit = service.settings.max_document_chars
+    Path("huge.txt").write_text("word " * (limit // 5 + 1))
+    Path("small.txt").write_text("The meeting moved to Tuesday.\n")
+    argv = ["batch", "submit", "--summarize", "huge.txt", "small.txt", "--max-tokens", "8", "--temperature", "0",
+            "--wait", "-o", "out.jsonl", "--url", service.api.url]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"huge.txt: line 1: text: {limit + 5} characters, more than a document may have ({limit}, " \
+           "PAGEDQ_MAX_DOCUMENT_CHARS)" in err
+    assert [record["id"] for record in map(json.loads, Path("out.jsonl").read_text().splitlines())] == ["small.txt"]
 
 
 def test_cli_summarizes_documents_of_any_length_in_stages(service, summarizer, tmp_path, monkeypatch, capsys):

@@ -90,6 +90,9 @@ class SummaryLines:
             raise LineRefused(describe_validation_errors(exc.errors())) from None
         if not text.strip():
             raise LineRefused("text: the document is empty")
+        if len(text) > self.settings.max_document_chars:
+            raise LineRefused(f"text: {len(text)} characters, more than a document may have "
+                              f"({self.settings.max_document_chars}, PAGEDQ_MAX_DOCUMENT_CHARS)")
         prompts = summarizer.map_prompts(text)
         state = DocumentState(requests=len(prompts))
         return state, _stage_jobs(record, summarizer, index, state, prompts)
