@@ -150,9 +150,15 @@ class JobPayload(ValidInput):
             raise InvalidJob(str(exc)) from None
 
 
+# A token its structured output or allowed_token_ids rule out has logprob -inf, which JSON
+# cannot hold (a response with one was a 500, a stream's chunk invalid JSON): written as
+# this, as vLLM's OpenAI server writes it.
+LOGPROB_FLOOR = -9999.0
+
+
 def logprob_dicts(steps: list[dict[int, Logprob]]) -> list[dict[str, float]]:
-    """Logprobs as JSON holds them: {token id as text: logprob} per token."""
-    return [{str(token_id): lp.logprob for token_id, lp in step.items()} for step in steps]
+    """Logprobs as JSON holds them: {token id as text: logprob} per token, none below LOGPROB_FLOOR."""
+    return [{str(token_id): max(lp.logprob, LOGPROB_FLOOR) for token_id, lp in step.items()} for step in steps]
 
 
 class Usage(BaseModel):

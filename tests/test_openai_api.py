@@ -462,6 +462,30 @@ def test_streamed_logprobs_equal_the_non_streamed_ones(client, model, endpoint):
             (s.token, round(s.logprob, 5), 2) for s in whole.choices[0].logprobs.content]
 
 
+def _strict_json(text: str):
+    """JSON as a strict parser reads it: no Infinity or NaN."""
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_tokens_a_grammar_rules_out_are_finite_json(service, model):
+    """A choice grammar leaves two tokens; the top 5 alternatives hold tokens it rules out,
+    logprob -inf, which JSON cannot hold (a 500, and streamed chunks with -Infinity): as
+    vLLM's server writes them, -9999.0, streamed or not."""
+    api, _ = service
+    body = {"model": model.name, "prompt": "hi", "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": 5,
+            "max_tokens": 5, "temperature": 0}
+    answer = httpx.post(f"{api.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    tops = _strict_json(answer.text)["choices"][0]["logprobs"]["top_logprobs"]
+    values = [value for top in tops for value in top.values()]
+    assert -9999.0 in values and min(values) == -9999.0
+    streamed = httpx.post(f"{api.url}/v1/completions", json={**body, "stream": True}, timeout=60).text
+    chunks = [_strict_json(line.removeprefix("data: ")) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert [top for chunk in chunks for c in chunk["choices"] if c["logprobs"] for top in c["logprobs"]["top_logprobs"]] == tops
+
+
 def test_harmless_openai_fields_are_ignored_and_vllm_fields_accepted(service, client, model):
     ignored = {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "safety_identifier": "s",
                "prompt_cache_key": "p"}

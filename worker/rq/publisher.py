@@ -29,6 +29,7 @@ from redis.client import Pipeline
 from rq.job import Job
 
 from pagedq.outputs import RequestOutput
+from pagedq.protocol import logprob_dicts
 from pagedq.redis_schema import (
     PUBLISH_STEP_SCRIPT,
     UNFENCED,
@@ -92,8 +93,8 @@ def _logprobs_json(completion, start: int, stop: int) -> str:
     """Tokens [start, stop)'s logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
     if completion.logprobs is None:
         return ""
-    new = zip(completion.token_ids[start:stop], completion.logprobs[start:stop])
-    return json.dumps([[token, {str(t): lp.logprob for t, lp in step.items()}] for token, step in new], separators=(",", ":"))
+    new = zip(completion.token_ids[start:stop], logprob_dicts(completion.logprobs[start:stop]))
+    return json.dumps([[token, step] for token, step in new], separators=(",", ":"))
 
 
 def start_progress(pipeline: Pipeline, job: Job, prompt_tokens: int, stream_ttl_s: int) -> None:
