@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, model_validator
 
 from api.tool_calls.schemas import Tool, ToolCall, ToolChoice
+from pagedq.beam_search import LengthPenalty
 from pagedq.protocol import GenerateRequest
 from pagedq.request_rules import INT64_MAX, INT64_MIN, ValidInput, describe_invalid
 from pagedq.structured_outputs_params import StructuredOutputsParams
@@ -113,7 +114,7 @@ class _OpenAIRequest(ValidInput):
         None, ge=-1, description="vLLM's: keep only the prompt's last N tokens (-1: as many as the context holds)."
     )
     use_beam_search: bool = Field(False, description="vLLM's: beam search with n beams; every beam is a choice, best first.")
-    length_penalty: float = Field(1.0, description="vLLM's, for beam search: score = logprob / length ** length_penalty.")
+    length_penalty: LengthPenalty = Field(1.0, description="vLLM's, for beam search: score = logprob / length ** length_penalty.")
     return_token_ids: bool = Field(
         False, description="vLLM's: the response holds prompt_token_ids and each choice's token_ids."
     )
@@ -148,6 +149,8 @@ class _OpenAIRequest(ValidInput):
         if self.use_beam_search:
             if self.stream:
                 raise ValueError("use_beam_search: not available with stream=true (the beams are known at the end)")
+            if self.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs: not available with use_beam_search (as on /generate)")
         return self
 
     @property

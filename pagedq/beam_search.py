@@ -13,7 +13,7 @@ beam_width of all are the result.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
 from pydantic import ConfigDict, Field
 
@@ -21,13 +21,18 @@ from pagedq.request_rules import ValidInput
 
 BeamT = TypeVar("BeamT")
 
+# Scores divide by length ** length_penalty: past these, with lengths up to a context's,
+# that overflowed or went to 0 (1e300 failed the request with OverflowError, -1e300 with
+# ZeroDivisionError: a 500 for the client's own input). vLLM's are unbounded; 1 is usual.
+LengthPenalty = Annotated[float, Field(ge=-10.0, le=10.0)]
+
 
 class BeamSearchParams(ValidInput):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     beam_width: int = Field(ge=1, le=64)
     max_tokens: int = Field(ge=1)
-    length_penalty: float = 1.0
+    length_penalty: LengthPenalty = 1.0
     ignore_eos: bool = False
 
 

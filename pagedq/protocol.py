@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
-from pagedq.beam_search import BeamSearchParams
+from pagedq.beam_search import BeamSearchParams, LengthPenalty
 from pagedq.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from pagedq.redis_schema import InvalidJob, JobState
 from pagedq.request_rules import INT64_MAX, INT64_MIN, ValidInput, describe_invalid
@@ -62,7 +62,7 @@ class GenerateRequest(SamplingParams):
     )
     use_beam_search: bool = Field(False, description="Beam search instead of sampling; the result holds every beam, best first.")
     beam_width: int = Field(1, ge=1, le=64)
-    length_penalty: float = Field(1.0, description="Beam score = cumulative logprob / length ** length_penalty.")
+    length_penalty: LengthPenalty = Field(1.0, description="Beam score = cumulative logprob / length ** length_penalty.")
 
     @model_validator(mode="after")
     def _one_prompt_one_completion(self) -> GenerateRequest:

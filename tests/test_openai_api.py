@@ -208,6 +208,10 @@ def test_a_finished_stream_ends_from_its_end_event_without_reading_the_job(servi
         ("/v1/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"usage": True}}, 400,
          "stream_options.usage", "Extra inputs"),
         ("/v1/completions", {"model": "M"}, 400, "prompt", "Field required"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "prompt_logprobs": 1,
+                             "max_tokens": 3}, 400, "prompt_logprobs", "not available with use_beam_search"),
+        ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "n": 2, "length_penalty": 1e300},
+         400, "length_penalty", "less than or equal to 10"),
         # Beam search's width is `n` on the OpenAI routes: its errors name `n`, not the native beam_width.
         ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "n": 256}, 400, "n",
          "n: Input should be less than or equal to 64"),
