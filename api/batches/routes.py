@@ -11,7 +11,7 @@ from api.auth import Caller, authenticate
 from api.batches.schemas import BatchCreate, BatchRecord
 from api.batches.store import BatchRefused, BatchStore
 from api.errors import ApiError, check_idempotency_key
-from api.threads import blocking
+from api.threads import bulk
 
 router = APIRouter(prefix="/v1/batches", tags=["Batch API"])
 Auth = Annotated[Caller, Depends(authenticate)]
@@ -30,7 +30,7 @@ def _found(record: BatchRecord | None, batch_id: str) -> BatchRecord:
 
 async def _call(request: Request, method, *args):
     try:
-        return await blocking(request, method, *args)
+        return await bulk(request, method, *args)
     except BatchRefused as refused:
         raise ApiError(refused.status, str(refused), param=refused.param, code=refused.code) from None
 
