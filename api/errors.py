@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from pagedq.redis_connection import passing_redis_trouble
-from pagedq.request_rules import IDEMPOTENCY_KEY, describe_error
+from pagedq.request_rules import IDEMPOTENCY_KEY, describe_error, describe_invalid
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -66,8 +66,11 @@ def check_idempotency_key(key: str | None) -> None:
 
 
 def bad_request(exc: ValueError) -> ApiError:
-    """400 for input a check refused; `param`: the field its message starts with."""
-    return ApiError(400, str(exc), param=named_field(str(exc)))
+    """400 for input a check refused; `param`: the field its message starts with. A pydantic
+    ValidationError (a ValueError too) is described field by field, as a request's own are:
+    its text spans lines and links."""
+    message = describe_invalid(exc)
+    return ApiError(400, message, param=named_field(message))
 
 
 def openai_error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 from api.auth import Caller, authenticate
-from api.errors import bad_request
+from api.errors import ApiError, bad_request
 from api.openai_compat import CHAT, serve
 from api.openai_schemas import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 from pagedq.request_rules import ValidInput
@@ -193,6 +193,22 @@ def _response(body: ResponsesRequest, response_id: str, model: str, created: int
     )
 
 
+# A Response is served as a chat completion: an error naming one of the chat's fields names
+# the Response's field it came from (longest first).
+_RESPONSE_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+                    ("max_tokens", "max_output_tokens"), ("messages", "input"))
+
+
+def _in_responses_terms(error: ApiError) -> ApiError:
+    message, param = str(error.detail), error.param
+    for chat_field, field in _RESPONSE_FIELDS:
+        if message.startswith(chat_field):
+            message = field + message.removeprefix(chat_field)
+        if param is not None and param.startswith(chat_field):
+            param = field + param.removeprefix(chat_field)
+    return ApiError(error.status_code, message, getattr(error, "headers", None), param=param, code=error.code)
+
+
 @router.post("/responses", response_model=ResponseObject,
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "The Response, or with stream=true its events (server-sent)."}})
@@ -203,9 +219,11 @@ async def create_response(body: ResponsesRequest, request: Request, caller: Anno
     `response.completed`."""
     try:
         chat = body.chat_request()
+        answer = await serve(request, CHAT, chat, caller, idempotency_key)
     except ValueError as exc:
-        raise bad_request(exc) from None
-    answer = await serve(request, CHAT, chat, caller, idempotency_key)
+        raise _in_responses_terms(bad_request(exc)) from None
+    except ApiError as error:
+        raise _in_responses_terms(error) from None
     if isinstance(answer, StreamingResponse):
         return StreamingResponse(_events(body, answer.body_iterator), media_type="text/event-stream",
                                  headers=dict(answer.headers))

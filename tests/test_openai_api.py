@@ -212,6 +212,15 @@ def test_a_finished_stream_ends_from_its_end_event_without_reading_the_job(servi
                              "max_tokens": 3}, 400, "prompt_logprobs", "not available with use_beam_search"),
         ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "n": 2, "length_penalty": 1e300},
          400, "length_penalty", "less than or equal to 10"),
+        # Errors name the fields the client sent, in one line: a Response's, not the chat's it is served as.
+        ("/v1/responses", {"model": "M", "input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                          "schema": {"type": "nope"}}}},
+         400, "text.format.schema", "text.format.schema: "),
+        ("/v1/responses", {"model": "M", "input": "hi " * 400, "max_output_tokens": 900}, 400, "max_output_tokens",
+         "max_output_tokens: "),
+        ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                                  "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(1100)]},
+         400, "tools", 'tools: with tool_choice "required", structured_outputs.json: anyOf has 1100 entries'),
         # Beam search's width is `n` on the OpenAI routes: its errors name `n`, not the native beam_width.
         ("/v1/completions", {"model": "M", "prompt": "hi", "use_beam_search": True, "n": 256}, 400, "n",
          "n: Input should be less than or equal to 64"),
@@ -236,6 +245,7 @@ def test_bad_requests_get_openai_shaped_errors(service, model, path, body, statu
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     # Every message names its field first, never pydantic's "Value error, " (and `param` names it too).
     assert fragment in error["message"] and "Value error" not in error["message"]
+    assert "\n" not in error["message"] and "pydantic.dev" not in error["message"]  # one line, not pydantic's dump
     assert error["param"] is not None and error["param"].startswith(param)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from api.tool_calls import parsers
 from api.tool_calls.schemas import NamedToolChoice, Tool, ToolChoice
+from pagedq.request_rules import describe_invalid
 from pagedq.structured_outputs_params import StructuredOutputsParams
 
 # A function without parameters takes an empty object (vLLM's default).
@@ -76,7 +77,11 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, auto_parser: str |
         schema = _parameters(tools, index)
         return ToolPlan(parsers.named(choice.function.name), False, new_id, _forced(schema))
     schemas = [_parameters(tools, index) for index in range(len(tools))]
-    return ToolPlan(parsers.required, True, new_id, _forced(_required_schema(tools, schemas)))
+    try:
+        forced = _forced(_required_schema(tools, schemas))
+    except ValueError as exc:  # the tools together, e.g. more of them than a schema's anyOf may hold
+        raise ValueError(f'tools: with tool_choice "required", {describe_invalid(exc)}') from None
+    return ToolPlan(parsers.required, True, new_id, forced)
 
 
 def _parameters(tools: list[Tool], index: int) -> dict[str, Any]:
