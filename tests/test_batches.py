@@ -209,6 +209,45 @@ def test_cancel_stops_running_lines_and_queued_ones_never_run(service, oai, api,
     assert cancelled.output_file_id is None and cancelled.request_counts.completed == 0
 
 
+def test_an_input_file_deleted_while_it_is_read_cancels_its_batch_saying_why(service, oai, model):
+    """A file in Redis deleted while a batch reads it reads as ending early: the batch ran
+    short, "completed" with the lines read (6,030 of 20,000) and no word of the rest. It is
+    cancelled now, its errors saying why, and the lines it had queued never all run. (In
+    this process, the file deleted after its first megabyte is read.)"""
+    from api.auth import ANYONE
+    from api.batches.schemas import BatchCreate
+    from api.batches.store import BatchStore
+    from api.files import FileStore
+    from api.jobs import JobStore
+    from api.openai_compat import OpenAITranslator
+    from api.prompts import PromptChecker
+
+    class DeletedWhileRead(FileStore):
+        reads = 0
+
+        def chunks(self, file_id):
+            self.reads += 1
+            for number, chunk in enumerate(super().chunks(file_id)):
+                yield chunk
+                if self.reads == 2 and number == 0:  # the second reading (the first counts the lines)
+                    self.delete(file_id)
+
+    settings = service.settings
+    files = DeletedWhileRead(service.redis, settings)
+    lines = [completion_line(f"line-{i}", model.name, f"Document {i} " + "words " * 60) for i in range(3_000)]
+    stored = files.create(iter([jsonl(lines)]), "big.jsonl", "batch", ANYONE.tenant, None, settings.max_file_bytes)
+    batches = BatchStore(service.redis, settings, JobStore(service.redis, settings), files,
+                         OpenAITranslator(settings, PromptChecker(settings)))
+    record = batches.create(BatchCreate(input_file_id=stored.id, endpoint="/v1/completions", completion_window="24h"),
+                            None, ANYONE)
+    assert record.status in ("cancelling", "cancelled")
+    (error,) = record.errors["data"]
+    assert error["code"] == "file_not_found" and "deleted while the batch read it" in error["message"]
+    assert 0 < record.lines_read < len(lines)
+    ended = wait_for_batch(oai, record.id, 60)
+    assert ended.status == "cancelled" and ended.errors.data[0].code == "file_not_found"
+
+
 def test_interactive_requests_are_not_stuck_behind_a_large_batch(service, oai, api, model):
     lines = [completion_line(f"bulk-{i}", model.name, f"Bulk document {i}", max_tokens=48) for i in range(48)]
     file_id = oai.files.create(file=("bulk.jsonl", jsonl(lines)), purpose="batch").id

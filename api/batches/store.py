@@ -288,6 +288,15 @@ class BatchStore:
                     self._save(record)
                     return
         self._commit(record, chunk, record.lines_read if not chunk else chunk[-1].index + 1)
+        if self.files.get(record.input_file_id) is None:
+            # Deleted while it was read (a file in Redis then reads as ending early): the lines
+            # read are not the batch. It is cancelled, saying why, rather than run short.
+            record.errors = {"object": "list", "data": [{
+                "code": "file_not_found", "param": None, "line": None,
+                "message": f"input file {record.input_file_id} was deleted while the batch read it "
+                           f"({record.lines_read} lines read); the batch is cancelled"}]}
+            record.status, record.cancelling_at = "cancelling", int(time.time())
+            return
         record.status, record.in_progress_at = "in_progress", int(time.time())
 
     def _line(self, record: BatchRecord, summarizer: Summarizer | None, index: int, raw: bytes, seen: set) -> _Line:
