@@ -230,10 +230,12 @@ class JobStore:
 
     def prepare(
         self, request: GenerateRequest, prompt_token_ids: list[int], idempotency_key: str | None, owner: str,
+        body_hash: str | None = None,
     ) -> PreparedJob:
         """An interactive job for `owner` (a Caller's tenant), ready for one ENQUEUE_SCRIPT call
-        (enqueue() sends it)."""
-        body_hash = hashlib.sha256(request.model_dump_json().encode()).hexdigest()
+        (enqueue() sends it). `body_hash`: what a resubmission with its Idempotency-Key must
+        match (replay()); by default the request's own."""
+        body_hash = body_hash or hashlib.sha256(request.model_dump_json().encode()).hexdigest()
         seq_id = idempotent_seq_id(idempotency_key, owner) if idempotency_key else uuid.uuid4().hex
         job = self._new_job(
             self.queue, seq_id, self.payload(request, prompt_token_ids),

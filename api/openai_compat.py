@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -306,11 +307,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, caller
 
 
 async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, caller: Caller,
-                idempotency_key: str | None = None) -> JSONResponse | StreamingResponse:
+                idempotency_key: str | None = None, key_scope: str | None = None) -> JSONResponse | StreamingResponse:
     """A validated request's jobs queued, answered as the endpoint answers (also what
-    /v1/responses builds on). With an `idempotency_key`, a retry of the same body answers
-    from the same jobs (another body: 422), and a client that goes away leaves them running
-    for its retry instead of canceling them."""
+    /v1/responses builds on). With an `idempotency_key` (its namespace `key_scope`, by
+    default the endpoint), a retry of the same body, streamed or not, answers from the same
+    jobs (another body: 422, with no effect on them), and a client that goes away leaves
+    them running for its retry instead of canceling them."""
     check_idempotency_key(idempotency_key)
     translator = _translator(request)
     store: JobStore = request.app.state.store
@@ -323,12 +325,21 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
 
     inline = isinstance(body, CompletionRequest) and tokenized_inline(body.prompts)
     tools, prompts = plan() if inline else await blocking(request, plan)
-    keys = [None if idempotency_key is None else f"{idempotency_key}\0{endpoint}\0{index}" for index in range(len(prompts))]
-    prepared = [store.prepare(generate, ids, key, caller.tenant) for (generate, ids), key in zip(prompts, keys)]
+    keys: list[str | None] = [None] * len(prompts)
+    body_hash = None
+    if idempotency_key is not None:
+        scope = key_scope or endpoint
+        keys = [f"{idempotency_key}\0{scope}\0{index}" for index in range(len(prompts))]
+        # Each job checks the whole body (its prompt count too), whether it streams aside.
+        whole = body.model_dump_json(exclude={"stream", "stream_options"})
+        body_hash = hashlib.sha256(f"{scope}\0{whole}".encode()).hexdigest()
+    prepared = [store.prepare(generate, ids, key, caller.tenant, body_hash) for (generate, ids), key in zip(prompts, keys)]
     round_trip = request.app.state.round_trip
     outcomes = await asyncio.gather(*(store.enqueue(round_trip, job) for job in prepared), return_exceptions=True)
-    # One job per prompt; should one not be queued, the others are canceled.
+    # One job per prompt; should one not be queued, the others this request queued are
+    # canceled (an Idempotency-Key's earlier jobs are the earlier request's: left alone).
     jobs: list[_Job] = []
+    queued: list[str] = []
     failure: BaseException | None = None
     for job, (generate, prompt_token_ids), outcome in zip(prepared, prompts, outcomes):
         try:
@@ -336,11 +347,13 @@ async def serve(request: Request, endpoint: Endpoint, body: OpenAIRequest, calle
                 raise outcome
             if store.settle(job, outcome) is None:
                 await blocking(request, store.replay, job)  # the key's job exists: the same body's, or a 422
+            else:
+                queued.append(job.seq_id)
             jobs.append(_Job(job.seq_id, generate, prompt_token_ids, len(jobs) * generate.n))
         except BaseException as exc:
             failure = failure or exc
     if failure is not None:
-        await blocking(request, lambda: [_cancel(store, job.seq_id) for job in jobs])
+        await blocking(request, lambda: [_cancel(store, seq_id) for seq_id in queued])
         if isinstance(failure, QueueFull):
             raise ApiError(429, str(failure), {"Retry-After": str(settings.retry_after_s)}) from failure
         if isinstance(failure, IdempotencyConflict):

@@ -219,7 +219,7 @@ async def create_response(body: ResponsesRequest, request: Request, caller: Anno
     `response.completed`."""
     try:
         chat = body.chat_request()
-        answer = await serve(request, CHAT, chat, caller, idempotency_key)
+        answer = await serve(request, CHAT, chat, caller, idempotency_key, key_scope="/v1/responses")
     except ValueError as exc:
         raise _in_responses_terms(bad_request(exc)) from None
     except ApiError as error:

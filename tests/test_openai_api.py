@@ -311,8 +311,23 @@ def test_an_idempotency_key_makes_a_retry_follow_the_same_jobs(service, model):
     again = httpx.post(url, json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60).json()
     assert (again["id"], again["choices"]) == (first["id"], first["choices"])
     assert httpx.post(url, json=body, timeout=60).json()["id"] != first["id"]  # no key: new jobs
-    other = httpx.post(url, json={**body, "max_tokens": 7}, headers={"Idempotency-Key": "retry-1"}, timeout=60)
-    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict"
+    # Another body with the key, a prompt list shorter, longer or changed included, is a 422
+    # that leaves the first request's jobs alone; whether it streams is not the body's.
+    for other_body in ({**body, "max_tokens": 7}, {**body, "prompt": ["one"]}, {**body, "prompt": ["one", "two", "3"]},
+                       {**body, "prompt": ["one", "2"]}):
+        other = httpx.post(url, json=other_body, headers={"Idempotency-Key": "retry-1"}, timeout=60)
+        assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict", other_body
+    after = httpx.post(url, json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60).json()
+    assert (after["id"], after["choices"]) == (first["id"], first["choices"])
+    ids, _ = _stream_texts(httpx.post(url, json={**body, "stream": True}, headers={"Idempotency-Key": "retry-1"},
+                                      timeout=60).text)
+    assert ids == {first["id"]}
+    # A Response's key is its own, not a chat's with the same key.
+    chat = httpx.post(f"{api.url}/v1/chat/completions", headers={"Idempotency-Key": "retry-3"}, timeout=60,
+                      json={"model": model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    response = httpx.post(f"{api.url}/v1/responses", headers={"Idempotency-Key": "retry-3"}, timeout=60,
+                          json={"model": model.name, "input": "hi", "max_output_tokens": 3})
+    assert response.status_code == 200 and chat.json()["id"].removeprefix("chatcmpl-") not in response.json()["id"]
     bad = httpx.post(url, json=body, headers={"Idempotency-Key": "two words"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "Idempotency-Key"
 
