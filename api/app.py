@@ -30,7 +30,7 @@ from api.jobs import JobStore
 from api.prompts import PromptChecker
 from api.shared_round_trip import SharedRoundTrip
 from api.streaming import StreamReader
-from api.threads import blocking_limiter, bulk_limiter
+from api.threads import BulkThreads, blocking_limiter
 from api.turns import RequestTurns
 from api.worker_metrics import WorkerSeries
 from pagedq.live_workers import live_workers
@@ -94,7 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.round_trip = SharedRoundTrip(app.state.aredis)
         app.state.streams = StreamReader(app.state.aredis, app.state.round_trip)
         app.state.blocking = blocking_limiter()
-        app.state.bulk = bulk_limiter()
+        app.state.bulk = BulkThreads()
         app.state.files = FileStore(redis, settings)
         app.state.batches = BatchStore(redis, settings, store, app.state.files, app.state.openai)
         background = [asyncio.create_task(supervise(app)), asyncio.create_task(retention.keep_pruning(app))]

@@ -254,7 +254,7 @@ async def upload_file(
     file_id = idempotent_file_id(idempotency_key, caller.tenant) if idempotency_key else None
     chunks = iter(lambda: file.file.read(_CHUNK_BYTES), b"")
     try:
-        stored = await bulk(request, lambda: files.create(
+        stored = await bulk(request, caller.tenant, lambda: files.create(
             chunks, file.filename or "upload.jsonl", "batch", caller.tenant, file_id, settings.max_file_bytes))
     except FileTooLarge as exc:
         raise ApiError(413, str(exc), param="file") from None
@@ -274,7 +274,7 @@ async def list_files(
 ) -> dict:
     """OpenAI's file list: the caller's files, newest first unless order=asc, paged with limit/after."""
     files: FileStore = request.app.state.files
-    found, has_more = await bulk(request, files.list, caller, purpose, limit, order == "desc", after)
+    found, has_more = await bulk(request, caller.tenant, files.list, caller, purpose, limit, order == "desc", after)
     data = [_public(stored) for stored in found]
     return {"object": "list", "data": data, "has_more": has_more,
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
@@ -282,17 +282,17 @@ async def list_files(
 
 @router.get("/{file_id}")
 async def get_file(file_id: str, request: Request, caller: Auth) -> dict:
-    return _public(await bulk(request, _existing, request, file_id, caller))
+    return _public(await bulk(request, caller.tenant, _existing, request, file_id, caller))
 
 
 @router.get("/{file_id}/content", response_class=StreamingResponse)
 async def file_content(file_id: str, request: Request, caller: Auth) -> StreamingResponse:
-    await bulk(request, _existing, request, file_id, caller)
+    await bulk(request, caller.tenant, _existing, request, file_id, caller)
     return StreamingResponse(request.app.state.files.chunks(file_id), media_type="application/octet-stream")
 
 
 @router.delete("/{file_id}")
 async def delete_file(file_id: str, request: Request, caller: Auth) -> dict:
-    await bulk(request, _existing, request, file_id, caller)
-    await bulk(request, request.app.state.files.delete, file_id)
+    await bulk(request, caller.tenant, _existing, request, file_id, caller)
+    await bulk(request, caller.tenant, request.app.state.files.delete, file_id)
     return {"id": file_id, "object": "file", "deleted": True}

@@ -52,7 +52,7 @@ async def keep_pruning(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     while True:
         try:
-            removed = await anyio.to_thread.run_sync(sweep, app.state.redis, settings, limiter=app.state.bulk)
+            removed = await anyio.to_thread.run_sync(sweep, app.state.redis, settings, limiter=app.state.bulk.limiter)
             if removed:
                 log.info("retention: pruned %d index entries of expired jobs, files and batches", removed)
         except Exception as exc:

@@ -17,16 +17,28 @@ BLOCKING_THREADS = 4
 # Batches and files (a batch's fan-out reads its whole input file: 12-21 s for 40-90 MB, the
 # supervisor advancing every batch, the retention sweep, uploads) have threads of their
 # own: four batches created at once held every thread above, and every other tenant's
-# chat, templated /generate, /ready and upload waited ~12 s.
-BULK_THREADS = 2
+# chat, templated /generate, /ready and upload waited ~12 s. One tenant holds at most
+# BULK_THREADS_PER_TENANT of them, so another's file and batch calls still find one.
+BULK_THREADS = 4
+BULK_THREADS_PER_TENANT = 2
 
 
 def blocking_limiter() -> anyio.CapacityLimiter:
     return anyio.CapacityLimiter(BLOCKING_THREADS)
 
 
-def bulk_limiter() -> anyio.CapacityLimiter:
-    return anyio.CapacityLimiter(BULK_THREADS)
+class BulkThreads:
+    """The bulk threads, and each tenant's share of them."""
+
+    def __init__(self) -> None:
+        self.limiter = anyio.CapacityLimiter(BULK_THREADS)
+        self._shares: dict[str, anyio.CapacityLimiter] = {}
+
+    def share(self, tenant: str) -> anyio.CapacityLimiter:
+        # Tenants are the configured keys' (api.auth): a bounded set.
+        if tenant not in self._shares:
+            self._shares[tenant] = anyio.CapacityLimiter(BULK_THREADS_PER_TENANT)
+        return self._shares[tenant]
 
 
 async def blocking(request: Request, function: Callable[..., Any], *args: Any) -> Any:
@@ -34,6 +46,8 @@ async def blocking(request: Request, function: Callable[..., Any], *args: Any) -
     return await anyio.to_thread.run_sync(function, *args, limiter=request.app.state.blocking)
 
 
-async def bulk(request: Request, function: Callable[..., Any], *args: Any) -> Any:
-    """Batch and file work, in its own threads (BULK_THREADS)."""
-    return await anyio.to_thread.run_sync(function, *args, limiter=request.app.state.bulk)
+async def bulk(request: Request, tenant: str, function: Callable[..., Any], *args: Any) -> Any:
+    """A tenant's batch or file work, in the bulk threads (at most its share of them)."""
+    threads: BulkThreads = request.app.state.bulk
+    async with threads.share(tenant):
+        return await anyio.to_thread.run_sync(function, *args, limiter=threads.limiter)

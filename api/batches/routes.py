@@ -28,9 +28,9 @@ def _found(record: BatchRecord | None, batch_id: str) -> BatchRecord:
     return record
 
 
-async def _call(request: Request, method, *args):
+async def _call(request: Request, caller: Caller, method, *args):
     try:
-        return await bulk(request, method, *args)
+        return await bulk(request, caller.tenant, method, *args)
     except BatchRefused as refused:
         raise ApiError(refused.status, str(refused), param=refused.param, code=refused.code) from None
 
@@ -40,7 +40,7 @@ async def create_batch(
     body: BatchCreate, request: Request, caller: Auth, idempotency_key: Annotated[str | None, Header()] = None,
 ) -> dict:
     check_idempotency_key(idempotency_key)
-    record = await _call(request, _store(request).create, body, idempotency_key, caller)
+    record = await _call(request, caller, _store(request).create, body, idempotency_key, caller)
     request.app.state.metrics.batches_created.inc()
     return record.public()
 
@@ -49,7 +49,7 @@ async def create_batch(
 async def list_batches(
     request: Request, caller: Auth, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None,
 ) -> dict:
-    records, has_more = await _call(request, _store(request).list, limit, after, caller)
+    records, has_more = await _call(request, caller, _store(request).list, limit, after, caller)
     data = [record.public() for record in records]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
@@ -57,19 +57,19 @@ async def list_batches(
 
 @router.get("/{batch_id}")
 async def get_batch(batch_id: str, request: Request, caller: Auth) -> dict:
-    _found(await _call(request, _store(request).get, batch_id, caller), batch_id)
-    return _found(await _call(request, _store(request).advance, batch_id), batch_id).public()
+    _found(await _call(request, caller, _store(request).get, batch_id, caller), batch_id)
+    return _found(await _call(request, caller, _store(request).advance, batch_id), batch_id).public()
 
 
 @router.get("/{batch_id}/refused")
 async def refused_lines(batch_id: str, request: Request, caller: Auth) -> dict:
     """pagedq's extension: the input lines refused so far, as error-file lines (the error file
     itself is written when the batch ends)."""
-    _found(await _call(request, _store(request).get, batch_id, caller), batch_id)
-    return {"object": "list", "data": await _call(request, _store(request).refused, batch_id)}
+    _found(await _call(request, caller, _store(request).get, batch_id, caller), batch_id)
+    return {"object": "list", "data": await _call(request, caller, _store(request).refused, batch_id)}
 
 
 @router.post("/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request, caller: Auth) -> dict:
-    _found(await _call(request, _store(request).get, batch_id, caller), batch_id)
-    return _found(await _call(request, _store(request).request_cancel, batch_id), batch_id).public()
+    _found(await _call(request, caller, _store(request).get, batch_id, caller), batch_id)
+    return _found(await _call(request, caller, _store(request).request_cancel, batch_id), batch_id).public()

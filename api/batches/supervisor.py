@@ -33,7 +33,7 @@ async def supervise(app: FastAPI) -> None:
 
     while True:
         try:
-            await anyio.to_thread.run_sync(advance_all, limiter=app.state.bulk)
+            await anyio.to_thread.run_sync(advance_all, limiter=app.state.bulk.limiter)
         except Exception as exc:
             if (trouble := passing_redis_trouble(exc)) is not None:
                 log.warning("batch supervisor: Redis %s (%s); retrying", trouble, exc)
