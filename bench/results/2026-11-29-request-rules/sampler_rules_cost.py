@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -23,22 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 sys.path.insert(0, ROOT)
 
 from pagedq.sampling_params import SamplingParams  # noqa: E402
+from tests.test_sampler import Row  # noqa: E402  (the sampler tests' row)
 from worker import sampler as after  # noqa: E402
 
 VOCAB, ROWS, N = 49_152, 64, 8
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=lambda: [0])
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
 
 def sampler_at(commit: str):
