@@ -131,15 +131,16 @@ def test_openai_client_runs_a_batch_and_each_bad_line_fails_alone(service, oai, 
         "",                                                                                  # blank: skipped
         *good[3:],
         completion_line("ok-0", model.name, "a second ok-0"),                                # duplicate custom_id
+        completion_line("\ud800", model.name, "x"),                                          # not valid Unicode
     ]
     uploaded = oai.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == len(jsonl(lines))
     batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h",
                                metadata={"run": "nightly"})
-    assert batch.status == "in_progress" and batch.request_counts.total == 11 and batch.metadata == {"run": "nightly"}
+    assert batch.status == "in_progress" and batch.request_counts.total == 12 and batch.metadata == {"run": "nightly"}
     batch = wait_for_batch(oai, batch.id)
     assert batch.status == "completed"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (11, 6, 5)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (12, 6, 6)
     assert batch.id in [b.id for b in oai.batches.list().data]
 
     output = parse_lines(oai.files.content(batch.output_file_id).content)
@@ -161,8 +162,10 @@ def test_openai_client_runs_a_batch_and_each_bad_line_fails_alone(service, oai, 
 
     errors = parse_lines(oai.files.content(batch.error_file_id).content)
     by_id = {line["custom_id"]: line for line in errors}
-    assert [line["custom_id"] for line in errors] == [None, "wrong-url", "unknown-model", "best-of", "ok-0"]
-    assert by_id[None]["error"]["code"] == "invalid_json" and "line 4" in by_id[None]["error"]["message"]
+    assert [line["custom_id"] for line in errors] == [None, "wrong-url", "unknown-model", "best-of", "ok-0", None]
+    # A custom_id that is not valid Unicode is not written into the (UTF-8) output files.
+    assert "custom_id: contains a lone UTF-16 surrogate" in errors[-1]["error"]["message"]
+    assert errors[0]["error"]["code"] == "invalid_json" and "line 4" in errors[0]["error"]["message"]
     assert by_id["wrong-url"]["error"]["code"] == "invalid_request" and "url" in by_id["wrong-url"]["error"]["message"]
     assert by_id["unknown-model"]["response"]["status_code"] == 404
     assert by_id["unknown-model"]["response"]["body"]["error"]["code"] == "model_not_found"

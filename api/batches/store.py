@@ -60,7 +60,7 @@ from api.openai_compat import REQUEST_MODELS, OpenAITranslator
 from api.summaries.summarizer import InvalidOptions, Summarizer
 from pagedq.protocol import JobPayload
 from pagedq.redis_schema import ACTIVE_BATCHES_KEY, BATCHES_KEY, JOB_SERIALIZER, TERMINAL, batch_key, job_state, tenant_batches_key
-from pagedq.request_rules import MAX_JSON_DEPTH, json_too_deep
+from pagedq.request_rules import MAX_JSON_DEPTH, json_too_deep, unencodable_text
 from pagedq.settings import Settings
 from pagedq.summaries import SUMMARIES_ENDPOINT, SummarizeOptions
 
@@ -315,6 +315,9 @@ class BatchStore:
         problem = None
         if not isinstance(custom_id, str) or not custom_id:
             custom_id, problem = None, "custom_id: a non-empty string is required"
+        elif (why := unencodable_text(custom_id)) is not None:
+            # The output files are UTF-8: a lone surrogate went into them as "\ud800", which strict parsers refuse.
+            custom_id, problem = None, f"custom_id: {why}"
         elif custom_id in seen:
             problem = f"custom_id: {custom_id!r} is used by an earlier line"
         elif line.get("method") != "POST":
