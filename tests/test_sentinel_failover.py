@@ -110,8 +110,12 @@ def test_failover_loses_and_repeats_nothing(sentinel_cluster, tiny_model_dir, tm
         with Client(api.url, timeout_s=30) as client:
             before = [client.submit(**body)["seq_id"] for body in bodies[:16]]
             redis = connect(url)
-            # Jobs in flight: running on the worker (started, in the started registry).
-            in_flight = wait_until(lambda: redis.zcard("rq:wip:pagedq"), 30, "jobs to start", interval_s=0.01)
+            # Jobs in flight: running on the worker (started, in the started registry), every
+            # one of them: a start written between the mark below and the kill is lost with the
+            # primary (replication is asynchronous) and its job runs again, attempt 2 (3 jobs
+            # did in one CI run, started as the primary died).
+            in_flight = wait_until(lambda: (started := redis.zcard("rq:wip:pagedq")) == len(before) and started, 30,
+                                   "every job to start", interval_s=0.01)
             # Everything written so far has reached the replica (a write, then WAIT for one
             # replica to have it: the replication stream is ordered), as a replica kept in
             # step by a real deployment would have; then the primary dies mid-run.
