@@ -16,11 +16,12 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from pagedq.redis_connection import passing_redis_trouble
-from pagedq.request_rules import IDEMPOTENCY_KEY, describe_error, describe_invalid
+from pagedq.request_rules import IDEMPOTENCY_KEY, describe_error
 
 log = logging.getLogger("pagedq.api")
 # Seconds a client is asked to wait when Redis is unreachable.
@@ -67,10 +68,12 @@ def check_idempotency_key(key: str | None) -> None:
 
 def bad_request(exc: ValueError) -> ApiError:
     """400 for input a check refused; `param`: the field its message starts with. A pydantic
-    ValidationError (a ValueError too) is described field by field, as a request's own are:
-    its text spans lines and links."""
-    message = describe_invalid(exc)
-    return ApiError(400, message, param=named_field(message))
+    ValidationError (a ValueError too) is described field by field, as a request body's own
+    are (its text spans lines and links)."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors()
+        return ApiError(400, describe_validation_errors(errors), param=first_field(errors))
+    return ApiError(400, str(exc), param=named_field(str(exc)))
 
 
 def openai_error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:

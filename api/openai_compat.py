@@ -32,8 +32,6 @@ from api.errors import (
     ApiError,
     bad_request,
     check_idempotency_key,
-    describe_validation_errors,
-    first_field,
     idempotency_conflict,
     named_field,
     openai_error_body,
@@ -95,7 +93,7 @@ class OpenAITranslator:
         try:
             return REQUEST_MODELS[endpoint].model_validate(body)
         except ValidationError as exc:
-            raise ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors())) from None
+            raise bad_request(exc) from None
 
     def prepare(self, endpoint: Endpoint, body: OpenAIRequest) -> list[tuple[GenerateRequest, list[int]]]:
         """The GenerateRequest and prompt token ids of each of a validated body's prompts (a
@@ -112,9 +110,7 @@ class OpenAITranslator:
             else:
                 requests = body.generate_requests()
             return [self._prepared(request, body) for request in requests]
-        except ValidationError as exc:
-            error = ApiError(400, describe_validation_errors(exc.errors()), param=first_field(exc.errors()))
-        except ValueError as exc:
+        except ValueError as exc:  # a pydantic ValidationError too
             error = bad_request(exc)
         if body.use_beam_search and error.param == "beam_width":
             # The width of a beam search is OpenAI's `n` (generate_requests renames it): name what the client sent.
