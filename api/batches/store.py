@@ -84,6 +84,11 @@ class _Line:
     document: DocumentState | None = None
 
 
+def _batch_errors(code: str, message: str) -> dict:
+    """A batch's `errors` (OpenAI's shape) holding one error about the whole batch."""
+    return {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+
+
 class BatchRefused(Exception):
     """A request about batches that cannot be done: an HTTP status, the message (naming the
     field), OpenAI's param and code."""
@@ -247,7 +252,7 @@ class BatchStore:
 
     def _fail(self, record: BatchRecord, code: str, message: str) -> None:
         record.status, record.failed_at = "failed", int(time.time())
-        record.errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
+        record.errors = _batch_errors(code, message)
 
     def _fan_out(self, record: BatchRecord) -> None:
         """Read the input's lines from where the last reading stopped; queue a job per valid
@@ -291,10 +296,8 @@ class BatchStore:
         if self.files.get(record.input_file_id) is None:
             # Deleted while it was read (a file in Redis then reads as ending early): the lines
             # read are not the batch. It is cancelled, saying why, rather than run short.
-            record.errors = {"object": "list", "data": [{
-                "code": "file_not_found", "param": None, "line": None,
-                "message": f"input file {record.input_file_id} was deleted while the batch read it "
-                           f"({record.lines_read} lines read); the batch is cancelled"}]}
+            record.errors = _batch_errors("file_not_found", f"input file {record.input_file_id} was deleted while "
+                                          f"the batch read it ({record.lines_read} lines read); the batch is cancelled")
             record.status, record.cancelling_at = "cancelling", int(time.time())
             return
         record.status, record.in_progress_at = "in_progress", int(time.time())
