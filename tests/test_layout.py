@@ -63,3 +63,21 @@ def test_the_check_sees_a_forbidden_import(tmp_path):
     assert violations("pagedq/core", FORBIDDEN["pagedq/core"], tmp_path) == [
         "pagedq/core/bad.py imports pagedq.front.llm_engine"
     ]
+
+
+@pytest.mark.parametrize("package", ["api", "blockmgr", "kernels", "pagedq", "scheduler", "worker"])
+def test_an_installed_process_imports_this_projects_top_level_packages(package, tmp_path):
+    """What `pagedq api`, `pagedq worker` and the engine core import is this tree, not an
+    installed distribution of the same top-level name: Hugging Face's `kernels` (which
+    transformers 5.25 requires) shadowed `kernels/` in every process started outside the
+    repository, so the engine could not load. Run from elsewhere, where the repository is
+    not on sys.path by way of the working directory."""
+    import subprocess
+    import sys
+
+    found = subprocess.run(
+        [sys.executable, "-c", f"import {package}; print({package}.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()).resolve().is_relative_to(ROOT / package)
