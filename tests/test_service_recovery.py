@@ -439,3 +439,31 @@ def test_a_failure_or_drain_writes_nothing_for_a_job_rerun_elsewhere(model, tmp_
     finally:
         torch.set_num_threads(threads)
         redis_server.stop()
+
+
+def test_a_leaving_worker_stops_rqs_pubsub_thread_at_once(model, tmp_path):
+    """RQ's teardown unsubscribes its stop-job channel and then stops the pubsub thread;
+    redis-py 8.2's stop() waits for the thread to end. A thread that read the unsubscribe
+    reply before the stop waited RQ's 60 s for a subscription, and the worker with it (a
+    worker whose engine died, under load, had not exited 30 s later). Here the thread is put
+    in that state by hand, then the worker tears down."""
+    from worker.rq.batch_worker import BatchWorker
+    from worker.rq.engine_factory import build_engine
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    try:
+        settings = service_settings(model, redis_server.url, tmp_path, queue_name="leaving")
+        worker = BatchWorker(build_engine(settings), settings, Redis.from_url(redis_server.url))
+        try:
+            worker.bootstrap()
+            wait_until(lambda: worker.pubsub.subscribed, 10, "the stop-job subscription")
+            worker.pubsub.unsubscribe()
+            wait_until(lambda: not worker.pubsub.subscribed, 10, "the thread to read the unsubscribe reply")
+            left = threading.Thread(target=worker.teardown, daemon=True)
+            left.start()
+            left.join(20)
+            assert not left.is_alive() and not worker.pubsub_thread.is_alive()
+        finally:
+            worker.engine.shutdown()
+    finally:
+        redis_server.stop()

@@ -93,6 +93,10 @@ if TYPE_CHECKING:
 _IDLE_WAIT_S = 1.0
 # Pause after a Redis error before the next try.
 _REDIS_RETRY_S = 1.0
+# The longest wait of RQ's pubsub thread (stop-job commands) between looks at whether it
+# should stop. RQ waits 60 s; redis-py 8.2's PubSubWorkerThread.stop() joins the thread, and
+# one that has read its unsubscribe reply before the stop waits that long for a subscription.
+_PUBSUB_POLL_S = 1.0
 
 
 class JobStopped(Exception):
@@ -189,6 +193,15 @@ class BatchWorker(BaseWorker):
     def request_force_stop(self, signum, frame) -> None:
         self.log.warning("Worker %s: second signal, requeueing in-flight jobs now", self.name)
         self._drain_deadline = 0.0
+
+    def subscribe(self) -> None:
+        # RQ's own, with a shorter wait: a worker leaving (a drain, a dead engine) waited up to
+        # RQ's 60 s in teardown for this thread (see _PUBSUB_POLL_S).
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=_PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler)
 
     def handle_payload(self, message) -> None:
         # RQ routes stop-job only to a worker's single "current" job; we hold many.
