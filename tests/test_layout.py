@@ -7,6 +7,8 @@ deployment where the other side's packages are missing."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,9 +74,6 @@ def test_an_installed_process_imports_this_projects_top_level_packages(package, 
     transformers 5.25 requires) shadowed `kernels/` in every process started outside the
     repository, so the engine could not load. Run from elsewhere, where the repository is
     not on sys.path by way of the working directory."""
-    import subprocess
-    import sys
-
     found = subprocess.run(
         [sys.executable, "-c", f"import {package}; print({package}.__file__)"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
