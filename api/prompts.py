@@ -87,6 +87,7 @@ class PromptChecker:
         self.compact_json = settings.structured_outputs_disable_any_whitespace
         # The workers' engines are built from the same settings.
         self.max_num_seqs = settings.max_num_seqs
+        self.seqs_per_request = settings.seqs_per_request
         self._tokenizers: queue.SimpleQueue = queue.SimpleQueue()
         self._tokenizers.put(self.tokenizer)
         for _ in range(_TOKENIZER_COPIES - 1):
@@ -138,9 +139,9 @@ class PromptChecker:
         """The prompt as token ids; ValueError (naming the field) for anything the engine would refuse.
         `keep_last`: vLLM's truncate_prompt_tokens, the prompt's last N tokens (-1: as many as fit)."""
         if request.use_beam_search:
-            check_width("beam_width", request.beam_width, self.max_num_seqs)
+            check_width("beam_width", request.beam_width, self.max_num_seqs, self.seqs_per_request)
         else:
-            check_width("n", request.n, self.max_num_seqs)
+            check_width("n", request.n, self.max_num_seqs, self.seqs_per_request)
         for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             self._check_token_ids(field, list(getattr(request, field) or ()))
         if request.prompt_token_ids is not None:

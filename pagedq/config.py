@@ -15,6 +15,9 @@ class EngineArgs:
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
+    # Most sequences one request may run side by side (n, beam_width); None: max_num_seqs, as
+    # in vLLM. A service sets less (Settings.seqs_per_request), so one request leaves room.
+    max_seqs_per_request: int | None = None
     # Tokens one step may process; prompts longer than this are prefilled in chunks.
     max_num_batched_tokens: int = 2048
     num_gpu_blocks_override: int | None = None
@@ -69,6 +72,7 @@ class EngineArgs:
         checks = {
             "block_size": self.block_size >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
+            "max_seqs_per_request": self.max_seqs_per_request is None or self.max_seqs_per_request >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "num_gpu_blocks_override": self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
             "gpu_memory_utilization": 0.0 < self.gpu_memory_utilization <= 1.0,

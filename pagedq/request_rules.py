@@ -97,12 +97,19 @@ def json_too_deep(raw: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-def check_width(field: str, width: int, max_num_seqs: int) -> None:
-    """A request runs its n samples (or beams) side by side in one engine; more than the
-    engine's `max_num_seqs` could never be scheduled."""
+def check_width(field: str, width: int, max_num_seqs: int, max_per_request: int | None = None) -> None:
+    """A request runs its n samples (or beams) side by side in one engine: more than the
+    engine's `max_num_seqs` could never be scheduled, and more than `max_per_request` (a
+    service's share, Settings.seqs_per_request) would hold the slots every other request
+    needs until this one ended (FCFS admission never takes them back)."""
     if width > max_num_seqs:
         raise ValueError(
             f"{field}: {width} sequences at once, more than an engine runs ({max_num_seqs}, PAGEDQ_MAX_NUM_SEQS)"
+        )
+    if max_per_request is not None and width > max_per_request:
+        raise ValueError(
+            f"{field}: {width} sequences at once, more than one request may hold ({max_per_request} of an engine's "
+            f"{max_num_seqs}, PAGEDQ_MAX_SEQS_PER_REQUEST)"
         )
 
 

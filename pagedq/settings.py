@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
+    max_seqs_per_request: int | None = Field(
+        None, ge=1, description="Most sequences one request runs side by side (n, beam_width); None: half of "
+        "max_num_seqs (128 of the default 256, OpenAI's own limit on n), so that one request never holds every "
+        "engine slot while everyone else waits for it to end.",
+    )
     num_gpu_blocks: int | None = Field(None, ge=1, description="Override the KV cache size in blocks.")
     torch_threads: int | None = Field(
         None, ge=1, description="The worker's torch CPU threads; None: on a CPU device all cores but one "
@@ -226,6 +231,11 @@ class Settings(BaseSettings):
         """A copy with the given fields replaced; None means "not given" (a CLI flag left out)."""
         given = {name: value for name, value in overrides.items() if value is not None and name in type(self).model_fields}
         return self.model_validate({**self.model_dump(), **given})
+
+    @property
+    def seqs_per_request(self) -> int:
+        """What max_seqs_per_request allows (the api and the workers' engines apply it alike)."""
+        return self.max_seqs_per_request or max(1, self.max_num_seqs // 2)
 
     @property
     def base_url(self) -> str:

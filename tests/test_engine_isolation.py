@@ -233,3 +233,27 @@ def test_requests_no_engine_can_run_are_refused(llm, prompt, params, field):
 def test_n_equal_to_max_num_seqs_runs(llm):
     outputs = llm.generate("hi", SamplingParams(n=8, max_tokens=3, seed=3, ignore_eos=True), use_tqdm=False)[0].outputs
     assert len(outputs) == 8 and all(len(o.token_ids) == 3 for o in outputs)
+
+
+def test_a_request_past_its_share_is_refused_and_one_within_it_leaves_room_for_others(tiny_model_dir):
+    """With max_seqs_per_request (a service's engine sets half of max_num_seqs), a wide
+    request is refused before it can take every slot; one at the limit runs beside a chat
+    sent after it, which ends long before the wide one. vLLM bounds n by max_num_seqs only:
+    there a request of n = max_num_seqs holds every slot until it ends."""
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", max_num_seqs=8, max_seqs_per_request=4)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"^n: 5 sequences at once, more than one request may hold \(4 of an engine's 8"):
+        engine.add_request("too-wide", "hi", SamplingParams(n=5, max_tokens=4))
+    with pytest.raises(ValueError, match=r"^beam_width: 5 sequences at once, more than one request may hold"):
+        engine.add_request("too-wide", "hi", BeamSearchParams(beam_width=5, max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("wide", "hi", SamplingParams(n=4, max_tokens=400, ignore_eos=True, seed=1))
+    engine.step()
+    engine.add_request("chat", "hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finished: list[str] = []
+    while "chat" not in finished:
+        finished += [output.request_id for output in engine.step() if output.finished]
+    assert "wide" not in finished
+    engine.abort_request(["wide"])
+    while engine.has_unfinished_requests():
+        engine.step()

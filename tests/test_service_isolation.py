@@ -130,6 +130,10 @@ API_POISON = [
     ("/generate", '{"prompt": "hi", "max_tokens": 6, "min_tokens": 3, "temperature": Infinity}', 422, "temperature"),
     ("/generate", '{"prompt": "hi", "top_p": NaN}', 422, "top_p"),
     ("/generate", {"prompt": "hi", "n": 300, "max_tokens": 4}, 422, "n: 300 sequences"),
+    # Past one request's share (half of this api's max_num_seqs 32): it would hold the slots everyone else needs.
+    ("/generate", {"prompt": "hi", "n": 17, "max_tokens": 4}, 422,
+     "n: 17 sequences at once, more than one request may hold (16 of an engine's 32"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n: 17 sequences"),
     ("/generate", {"prompt": "hi", "use_beam_search": True, "beam_width": 40, "max_tokens": 4}, 422, "beam_width"),
     ("/generate", '{"prompt": "a\\ud800b"}', 422, "prompt"),
     ("/generate", '{"prompt": "hi", "stop": ["\\udfff"]}', 422, "stop"),
@@ -162,6 +166,9 @@ QUEUE_POISON = {
     "seed-overflow": ({"n": 2, "seed": 2**64 - 1, "max_tokens": 4}, None, "hi", "seed"),
     "infinite-temperature": ({"max_tokens": 6, "min_tokens": 3, "temperature": float("inf")}, None, "hi", "temperature"),
     "n-past-the-engine": ({"n": WORKER_MAX_NUM_SEQS + 1, "max_tokens": 4}, None, "hi", "n: 9 sequences"),
+    # Within the api's share (16) but past the worker's own (half of its 8).
+    "n-past-a-requests-share": ({"n": WORKER_MAX_NUM_SEQS // 2 + 1, "max_tokens": 4}, None, "hi",
+                                "n: 5 sequences at once, more than one request may hold (4 of an engine's 8"),
     "beams-past-the-engine": (
         {"max_tokens": 4}, {"beam_width": WORKER_MAX_NUM_SEQS + 1, "max_tokens": 4}, "hi", "beam_width"),
     "surrogate-prompt": ({"max_tokens": 4}, None, "a\ud800b", "prompt"),

@@ -126,6 +126,8 @@ def _server_flags(parser: argparse.ArgumentParser, role: str) -> None:
                         "default: the model's, lowered to what the KV cache holds)")
     parser.add_argument("--max-num-seqs", type=int, help="sequences one engine step runs at most "
                         "(PAGEDQ_MAX_NUM_SEQS, default 256)")
+    parser.add_argument("--max-seqs-per-request", type=int, help="sequences one request (n, beam_width) runs at "
+                        "most, so none holds every slot (PAGEDQ_MAX_SEQS_PER_REQUEST, default half of max-num-seqs)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (PAGEDQ_MAX_NUM_BATCHED_TOKENS)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for weights and "
                         "KV cache, 0-1 (PAGEDQ_GPU_MEMORY_UTILIZATION)")

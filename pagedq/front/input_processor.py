@@ -18,11 +18,13 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 max_seqs_per_request: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.max_seqs_per_request = max_seqs_per_request
 
     def params(self, params: SamplingParams | BeamSearchParams | None) -> tuple[SamplingParams, BeamSearchParams | None]:
         """(the sampling settings, the beam search's when it is one); beams share greedy
@@ -67,9 +69,9 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"{field}: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if beam is not None:
-            check_width("beam_width", beam.beam_width, self.max_num_seqs)
+            check_width("beam_width", beam.beam_width, self.max_num_seqs, self.max_seqs_per_request)
         else:
-            check_width("n", params.n, self.max_num_seqs)
+            check_width("n", params.n, self.max_num_seqs, self.max_seqs_per_request)
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs: {params.logprobs} alternatives, more than the vocabulary's {self.vocab_size} tokens")
         if self.tokenizer is None and params.stop_strings:

@@ -40,7 +40,9 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         self.max_model_len = info.max_model_len
         self.device = torch.device(info.device)
-        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, args.max_num_seqs)
+        self.input_processor = InputProcessor(
+            self.tokenizer, info.vocab_size, info.max_model_len, args.max_num_seqs, args.max_seqs_per_request
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         # The caller's ids of requests whose final output step() has not returned yet.
         self._states: dict[str, RequestState] = {}

@@ -42,6 +42,9 @@ def build_engine(settings: Settings) -> LLMEngine:
     # then never wait on the worker's Redis I/O, RQ bookkeeping or output processing, which
     # share one GIL (`pagedq bench serve`, bench/results/2026-11-26-serve-core-process.md).
     given.setdefault("core_process", True)
+    # One request's share of the engine, as the api checks it (a job no api checked, or one
+    # checked by an api with other settings, is refused here all the same).
+    given["max_seqs_per_request"] = settings.seqs_per_request
     args = EngineArgs(model=settings.require_model(), num_gpu_blocks_override=settings.num_gpu_blocks, **given)
     # The engine first: its core process starts loading at once, beside the front's own loading.
     engine = LLMEngine.from_engine_args(args)
