@@ -184,7 +184,7 @@ class OpenAITranslator:
         choices = []
         for index, _, _, output in indexed:
             message, finish_reason = ({"role": "assistant", "content": output.text}, output.finish_reason) if tools is None \
-                else tools.message(output.text, output.finish_reason)
+                else tools.message(output.text, output.finish_reason, tool_choice.output_key(seq_id, index))
             choices.append({
                 "index": index, "message": message,
                 "logprobs": self.chat_logprobs(output.token_ids, output.logprobs, top_logprobs or 0)
@@ -478,7 +478,10 @@ async def _stream(request: Request, endpoint: Endpoint, jobs: list[_Job], includ
         if chat:
             delta = {} if text is None else {"content": text}
             if tools is not None and not role:
-                output = tool_deltas.setdefault((job.seq_id, index), OutputDeltas(tools))
+                output = tool_deltas.get((job.seq_id, index))
+                if output is None:
+                    output = tool_deltas[job.seq_id, index] = OutputDeltas(
+                        tools, tool_choice.output_key(jobs[0].seq_id, job.first_choice + index))
                 delta = output.delta(text or "", final=finish_reason is not None)
                 finish_reason = output.finish_reason(finish_reason)
                 if not (delta or logprobs or finish_reason):

@@ -241,3 +241,23 @@ def test_openai_parse_and_langchain_json_schema_get_objects_of_their_schema(serv
     llm = ChatOpenAI(model=model.name, base_url=f"{plain.url}/v1", api_key="unused", max_retries=0,
                      temperature=SAMPLED["temperature"], seed=SAMPLED["seed"], max_tokens=SAMPLED["max_tokens"])
     assert isinstance(llm.with_structured_output(Forecast, method="json_schema").invoke("Weather in Oslo?"), Forecast)
+
+
+def test_every_answer_of_one_job_names_its_calls_alike(service):
+    """A retry with the request's Idempotency-Key answers from the same job: its calls keep
+    their ids (a client whose first answer was lost may have run the tools already, and its
+    tool turn quotes them), whole or streamed; another job's calls get other ids. Before,
+    each answer drew new random ids."""
+    plain, _, _, model = service
+    client = client_of(plain)
+    request = dict(model=model.name, messages=ASK, tools=TOOLS, tool_choice="required", **SAMPLED)
+    key = {"Idempotency-Key": "tool-ids-1"}
+    first = client.chat.completions.create(**request, extra_headers=key)
+    again = client.chat.completions.create(**request, extra_headers=key)
+    assert again.id == first.id
+    ids = [call.id for call in first.choices[0].message.tool_calls]
+    assert ids and [call.id for call in again.choices[0].message.tool_calls] == ids
+    streamed, _ = _streamed_calls(client.chat.completions.create(**request, stream=True, extra_headers=key))
+    assert [call["id"] for call in streamed] == ids
+    other = client.chat.completions.create(**request)
+    assert not {call.id for call in other.choices[0].message.tool_calls} & set(ids)

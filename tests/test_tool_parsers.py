@@ -40,7 +40,7 @@ def auto(parser: str) -> ToolPlan:
 
 def streamed(tool_plan: ToolPlan, text: str, step: int) -> tuple[str | None, list[dict], str | None]:
     """The text fed `step` characters at a time, its deltas put together as an OpenAI client does."""
-    output = OutputDeltas(tool_plan)
+    output = OutputDeltas(tool_plan, "job-1:0")
     content, calls = None, []
     pieces = [text[i:i + step] for i in range(0, len(text), step)]
     for number, piece in enumerate(pieces, 1):
@@ -59,7 +59,7 @@ def streamed(tool_plan: ToolPlan, text: str, step: int) -> tuple[str | None, lis
 @pytest.mark.parametrize("parser, text, content, calls", FAMILIES)
 def test_each_family_finished_and_streamed_in_any_pieces(parser, text, content, calls):
     tool_plan = auto(parser)
-    message, finish_reason = tool_plan.message(text, "stop")
+    message, finish_reason = tool_plan.message(text, "stop", "job-1:0")
     assert message["content"] == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
     assert finish_reason == ("tool_calls" if calls else "stop")
@@ -67,18 +67,20 @@ def test_each_family_finished_and_streamed_in_any_pieces(parser, text, content, 
         streamed_content, streamed_calls, streamed_finish = streamed(tool_plan, text, step)
         assert (streamed_content, [(c["name"], c["arguments"]) for c in streamed_calls]) == (content, calls), step
         assert streamed_finish == finish_reason
+        # A stream and a whole answer of one output name its calls alike.
+        assert [c["id"] for c in streamed_calls] == [c["id"] for c in message.get("tool_calls", [])]
 
 
 def test_a_marker_split_across_pieces_never_leaks_into_content():
     tool_plan = auto("hermes")
-    output = OutputDeltas(tool_plan)
+    output = OutputDeltas(tool_plan, "job-1:0")
     assert output.delta("Sure<tool_", final=False) == {"content": "Sure"}
     assert output.delta("cal", final=False) == {}
     (call,) = output.delta('l>{"name": "f", "arguments": {"a"', final=False)["tool_calls"]
     assert call["function"] == {"name": "f", "arguments": '{"a"'} and call["id"].startswith("chatcmpl-tool-")
     assert output.delta(": 1}}</tool_call>", final=True) == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
     # Text that only looked like a marker's start is content once it cannot be one.
-    assert OutputDeltas(tool_plan).delta("a <tool", final=True) == {"content": "a <tool"}
+    assert OutputDeltas(tool_plan, "job-1:0").delta("a <tool", final=True) == {"content": "a <tool"}
 
 
 @pytest.mark.parametrize("parser, text", [
@@ -90,7 +92,7 @@ def test_a_marker_split_across_pieces_never_leaks_into_content():
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"),
 ])
 def test_malformed_calls_leave_the_whole_text_as_content_as_vllm(parser, text):
-    message, finish_reason = auto(parser).message(text, "length")
+    message, finish_reason = auto(parser).message(text, "length", "job-1:0")
     assert message == {"role": "assistant", "content": text} and finish_reason == "length"
 
 
@@ -159,9 +161,22 @@ def test_what_cannot_be_served_names_its_field(tool_specs, choice, parser, field
     assert str(caught.value).startswith(field + ": ")
 
 
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_a_calls_id_follows_its_output_and_place_alone(parser):
+    """Every answer from one job (a retry with its Idempotency-Key, a stream) names its calls
+    alike: ids came from uuid4 and differed between replays of one job. Another output, call
+    or job gets another id."""
+    tool_plan = auto(parser)
+    ids = {(key, index): tool_plan.call_id(key, index) for key in ("job-1:0", "job-1:1", "job-2:0") for index in (0, 1)}
+    assert len(set(ids.values())) == len(ids)
+    assert auto(parser).call_id("job-1:0", 1) == ids["job-1:0", 1]
+    assert all(i.startswith("chatcmpl-tool-") and len(i) == 46 for i in ids.values()) if parser == "hermes" else \
+        all(len(i) == 9 and i.isalnum() for i in ids.values())
+
+
 def test_no_plan_without_tools_or_with_none_and_each_familys_vllm_settings():
     assert plan(None, None, "hermes") is None and plan(tools({"name": "f"}), "none", None) is None
-    tool_id = auto("mistral").new_id()
+    tool_id = auto("mistral").call_id("job-1:0", 0)
     assert len(tool_id) == 9 and tool_id.isalnum()  # Mistral's templates refuse other ids
     # vLLM's hermes and mistral parsers read the text with special tokens kept; its llama3_json parser does not.
     assert auto("hermes").sampling_overrides == auto("mistral").sampling_overrides == {"skip_special_tokens": False}

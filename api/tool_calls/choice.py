@@ -10,9 +10,8 @@
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 import string
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,21 +35,29 @@ class ToolPlan:
     # "required" and "auto" answer finish_reason "tool_calls" for calls made; a named
     # function keeps the engine's reason ("stop"), as vLLM and OpenAI answer.
     calls_finish: bool
-    new_id: Callable[[], str]
+    # A call's id from its output's key and its place in the output (call_id()).
+    new_id: Callable[[str], str]
     # What the request's sampling must be: the shape forcing the calls, or the text kept whole for the parser.
     sampling_overrides: dict
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         return "tool_calls" if called and self.calls_finish and reason == "stop" else reason
 
-    def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+    def call_id(self, output_key: str, index: int) -> str:
+        """The id of the output's `index`th call. `output_key` names the output (output_key()),
+        so every answer from one job, a retry's with its Idempotency-Key and a stream's, gives
+        a call the same id, which a client's tool turn may have quoted already."""
+        return self.new_id(f"{output_key}/{index}")
+
+    def message(self, text: str, reason: str | None, output_key: str) -> tuple[dict, str | None]:
         """A finished output's assistant message (content null beside calls, as OpenAI's) and finish_reason."""
         parsed = self.parse(text, True)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
             message["tool_calls"] = [
-                {"id": self.new_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-                for call in parsed.calls
+                {"id": self.call_id(output_key, index), "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for index, call in enumerate(parsed.calls)
             ]
         return message, self.finish_reason(reason, bool(parsed.calls))
 
@@ -118,10 +125,24 @@ def _required_schema(tools: list[Tool], schemas: list[dict[str, Any]]) -> dict[s
     return {**array, "$defs": defs} if defs else array
 
 
-def _tool_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+def output_key(seq_id: str, choice_index: int) -> str:
+    """What names one output of a response: its first job's id (the response's id) and its choice's index."""
+    return f"{seq_id}:{choice_index}"
 
 
-def _mistral_id() -> str:
+def _digest(seed: str) -> int:
+    return int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=16).digest(), "big")
+
+
+def _tool_id(seed: str) -> str:
+    """vLLM's form (chatcmpl-tool- and 32 hex digits), drawn from the seed instead of at random."""
+    return f"chatcmpl-tool-{_digest(seed):032x}"
+
+
+def _mistral_id(seed: str) -> str:
     """Mistral's chat templates refuse any id but 9 letters and digits (vLLM's MistralToolCall ids)."""
-    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+    digest, letters = _digest(seed), []
+    for _ in range(9):
+        digest, at = divmod(digest, len(_ALPHANUMERIC))
+        letters.append(_ALPHANUMERIC[at])
+    return "".join(letters)

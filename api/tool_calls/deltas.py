@@ -21,6 +21,8 @@ class _SentCall:
 @dataclass
 class OutputDeltas:
     plan: ToolPlan
+    # The output's name for its calls' ids (choice.output_key()).
+    output_key: str
     text: str = ""
     content: str = ""  # content sent
     calls: list[_SentCall] = field(default_factory=list)
@@ -39,7 +41,7 @@ class OutputDeltas:
             if index == len(self.calls):
                 if call.name is None:
                     break  # named later: its arguments wait for it
-                self.calls.append(_SentCall(self.plan.new_id()))
+                self.calls.append(_SentCall(self.plan.call_id(self.output_key, index)))
                 tool_calls.append({"index": index, "id": self.calls[index].id, "type": "function",
                                    "function": {"name": call.name, "arguments": ""}})
             sent = self.calls[index]
