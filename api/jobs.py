@@ -181,9 +181,26 @@ class StoredJob:
     def generation_result(self) -> GenerationResult:
         """A finished job's result (as RQ's Job.return_value() gives it)."""
         latest = self.latest_result()
-        return GenerationResult.model_validate(
-            latest.return_value if latest is not None and latest.type == Result.Type.SUCCESSFUL else None
-        )
+        return GenerationResult.model_validate(_return_value(latest))
+
+
+def _return_value(latest: Result | None):
+    return latest.return_value if latest is not None and latest.type == Result.Type.SUCCESSFUL else None
+
+
+def _restore_latest(seq_id: str, latest: list, connection: Redis | None) -> Result | None:
+    """The job's latest result from the reply of XREVRANGE on its results stream, count 1."""
+    return (Result.restore(seq_id, latest[0][0].decode(), latest[0][1], connection=connection, serializer=JOB_SERIALIZER)
+            if latest else None)
+
+
+async def read_finished_result(round_trip: SharedRoundTrip, seq_id: str) -> GenerationResult | None:
+    """A finished job's result from RQ's results stream alone, read on the event loop; None
+    when it has none (not finished, failed, deleted). No tenancy check: for a job the
+    caller was let read already."""
+    (latest,) = await round_trip.call(lambda pipeline: pipeline.xrevrange(Result.get_key(seq_id), count=1))
+    value = _return_value(_restore_latest(seq_id, latest, None))
+    return None if value is None else GenerationResult.model_validate(value)
 
 
 def idempotent_seq_id(idempotency_key: str, owner: str) -> str:
@@ -302,9 +319,7 @@ class JobStore:
             return None
         if not caller.owns(job.meta.get(OWNER_META_KEY, "")):
             return None
-        result = (Result.restore(seq_id, latest[0][0].decode(), latest[0][1], connection=self.connection,
-                                 serializer=JOB_SERIALIZER) if latest else None)
-        return StoredJob(job, result, latest_read=True)
+        return StoredJob(job, _restore_latest(seq_id, latest, self.connection), latest_read=True)
 
     def snapshot(self, seq_id: str, caller: Caller) -> ResultResponse | None:
         """The job as GET /result shows it; None when there is no such job or it is another tenant's."""

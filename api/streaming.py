@@ -39,6 +39,7 @@ from redis.exceptions import RedisError, ResponseError
 from rq.job import Job
 
 from api.auth import ANYONE, Caller
+from api.jobs import read_finished_result
 from api.shared_round_trip import SharedRoundTrip
 from pagedq.protocol import SSE_ERROR_EVENT, STREAM_RETRY_AFTER_S
 from pagedq.redis_connection import passing_redis_trouble
@@ -416,6 +417,42 @@ class StreamHub:
                 self._ended_cursor = None
 
 
+class _Relayed:
+    """How much of each output a relay from a stream's start has sent (characters, tokens)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, int]] = {}
+
+    async def completed(self, events: list[Event], read_result) -> list[Event]:
+        """`events`, counted; when they end a finished job whose outputs have more tokens
+        than were sent, with the rest of each output's text (and logprobs) from the result
+        that `read_result()` reads, as one delta per output before the end."""
+        for kind, data, _ in events:
+            if kind == "delta":
+                chars, _ = self.sent.get(data["index"], (0, 0))
+                self.sent[data["index"]] = (chars + len(data["text"]), data["num_tokens"])
+            elif kind == "reset":
+                self.sent.clear()  # the client drops the text so far
+        kind, end, _ = events[-1] if events else ("", {}, None)
+        if kind != "end" or end.get("status") != "finished" or not any(
+                tokens > self.sent.get(index, (0, 0))[1] for index, tokens, *_ in end.get("outputs", [])):
+            return events
+        result = await read_result()
+        if result is None:
+            return events
+        rest: list[Event] = []
+        for output in result.outputs:
+            chars, tokens = self.sent.get(output.index, (0, 0))
+            if len(output.token_ids) > tokens:
+                data = {"index": output.index, "text": output.text[chars:], "num_tokens": len(output.token_ids)}
+                if output.logprobs is not None:
+                    data["logprobs"] = [[token, step] for token, step in
+                                        zip(output.token_ids[tokens:], output.logprobs[tokens:])]
+                self.sent[output.index] = (len(output.text), len(output.token_ids))
+                rest.append(("delta", data, None))
+        return [*events[:-1], *rest, events[-1]]
+
+
 class StreamReader:
     def __init__(self, connection: AsyncRedis, round_trip: SharedRoundTrip, poll_s: float = 0.5,
                  outage_grace_s: float = 30.0, end_check_max_s: float = _END_CHECK_MAX_S):
@@ -477,13 +514,18 @@ class StreamReader:
         """The job's events after `cursor`, a batch at a time, until (and with) `end`.
         Redis trouble that passes (a restart, a failover, memory full) is waited out for up
         to `outage_grace_s`, following on from the last event relayed, so a stream outlives
-        a Redis blip; a longer outage is raised."""
+        a Redis blip; a longer outage is raised. Followed from its start, a finished job's
+        stream has all its text: what its stream lacks (a job nobody streamed loses its
+        deltas when it finishes, its result holding them) comes from its result, before `end`."""
         trouble_since: float | None = None
+        relayed = _Relayed() if cursor == "0-0" else None
         while True:
             try:
                 async for events in self._relay_from(seq_id, cursor):
                     trouble_since = None
                     cursor = next((event_id for _, _, event_id in reversed(events) if event_id), cursor)
+                    if relayed is not None:
+                        events = await relayed.completed(events, lambda: read_finished_result(self.round_trip, seq_id))
                     yield events
                 return
             except RedisError as exc:

@@ -16,6 +16,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from transformers import AutoTokenizer
 
+from pagedq.client import Client
 from pagedq.redis_schema import stream_key
 from pagedq.redis_server import RedisServer
 from tests.service_helpers import (
@@ -300,6 +301,29 @@ def _stream_texts(events: str) -> tuple[set[str], str]:
     return {chunk["id"] for chunk in chunks}, "".join(c["text"] for chunk in chunks for c in chunk["choices"])
 
 
+def test_a_job_nobody_streamed_streams_whole_once_finished(service, model):
+    """An unstreamed request's job keeps no deltas once it finishes (its result holds the
+    text), so GET /stream of it sent only `end`: now the text, with its logprobs, comes from
+    the result before the end."""
+    api, _ = service
+    answer = httpx.post(f"{api.url}/v1/completions", timeout=60, json={
+        "model": model.name, "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 1}).json()
+    (choice,) = answer["choices"]
+    seq_id = answer["id"].removeprefix("cmpl-")
+    client = Client(api.url)
+    try:
+        events = list(client.events(seq_id))
+    finally:
+        client.close()
+    deltas = [data for kind, data in events if kind == "delta"]
+    assert "".join(delta["text"] for delta in deltas) == choice["text"] and choice["text"]
+    assert deltas[-1]["num_tokens"] == 8
+    assert [step for delta in deltas for step in delta["logprobs"]] and \
+        [lp for delta in deltas for _, step in delta["logprobs"] for lp in step.values()] == \
+        choice["logprobs"]["token_logprobs"]
+    assert events[-1] == ("end", {"status": "finished", "finish_reason": "length"})
+
+
 def test_an_idempotency_key_makes_a_retry_follow_the_same_jobs(service, model):
     """With an Idempotency-Key, a retried /v1 request answers from the jobs the first one
     queued (one per prompt of a list); the key with another body is a 422; a stream its
@@ -319,9 +343,17 @@ def test_an_idempotency_key_makes_a_retry_follow_the_same_jobs(service, model):
         assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_conflict", other_body
     after = httpx.post(url, json=body, headers={"Idempotency-Key": "retry-1"}, timeout=60).json()
     assert (after["id"], after["choices"]) == (first["id"], first["choices"])
-    ids, _ = _stream_texts(httpx.post(url, json={**body, "stream": True}, headers={"Idempotency-Key": "retry-1"},
-                                      timeout=60).text)
+    # The streamed retry of the finished jobs (nobody streamed them: their streams lost their
+    # deltas when they finished) has their whole text all the same; it had none.
+    replay = httpx.post(url, json={**body, "stream": True}, headers={"Idempotency-Key": "retry-1"}, timeout=60).text
+    ids, _ = _stream_texts(replay)
     assert ids == {first["id"]}
+    texts = ["", ""]
+    for line in replay.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                texts[choice["index"]] += choice["text"]
+    assert texts == [choice["text"] for choice in first["choices"]] and all(texts)
     # A Response's key is its own, not a chat's with the same key.
     chat = httpx.post(f"{api.url}/v1/chat/completions", headers={"Idempotency-Key": "retry-3"}, timeout=60,
                       json={"model": model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
