@@ -53,6 +53,7 @@ from pagedq.redis_schema import (
     announced_entries,
     api_wake_key,
     decode_entries,
+    delta_logprobs,
     entry_fields,
     job_state,
     owner_of,
@@ -446,8 +447,7 @@ class _Relayed:
             if len(output.token_ids) > tokens:
                 data = {"index": output.index, "text": output.text[chars:], "num_tokens": len(output.token_ids)}
                 if output.logprobs is not None:
-                    data["logprobs"] = [[token, step] for token, step in
-                                        zip(output.token_ids[tokens:], output.logprobs[tokens:])]
+                    data["logprobs"] = delta_logprobs(output.token_ids[tokens:], output.logprobs[tokens:])
                 self.sent[output.index] = (len(output.text), len(output.token_ids))
                 rest.append(("delta", data, None))
         return [*events[:-1], *rest, events[-1]]

@@ -212,6 +212,12 @@ EVENT_RESET = "reset"  # {"type": "reset", "attempt": "A"}: a retried attempt st
 # "outputs": JSON [[index, num_tokens, finish_reason, stop_reason], ...], "completion_tokens": "N".
 EVENT_END = "end"
 
+
+def delta_logprobs(token_ids: list[int], steps: list[dict[str, float]]) -> list:
+    """A delta's `logprobs`: each new token with its step's {token id: logprob}, [[id, {id: logprob}], ...]."""
+    return [[token, step] for token, step in zip(token_ids, steps)]
+
+
 # ---- fencing -----------------------------------------------------------------------
 # A worker writes for a job (stream events, progress, result, status) only while its
 # execution still owns the job: the job hash says STARTED, by this execution (the batch

@@ -35,6 +35,7 @@ from pagedq.redis_schema import (
     UNFENCED,
     WRITTEN_KEY,
     Progress,
+    delta_logprobs,
     publish_reset,
     read_progress,
     stream_key,
@@ -93,8 +94,8 @@ def _logprobs_json(completion, start: int, stop: int) -> str:
     """Tokens [start, stop)'s logprobs for a delta: [[token id, {token id: logprob}], ...], or "" when not asked for."""
     if completion.logprobs is None:
         return ""
-    new = zip(completion.token_ids[start:stop], logprob_dicts(completion.logprobs[start:stop]))
-    return json.dumps([[token, step] for token, step in new], separators=(",", ":"))
+    steps = logprob_dicts(completion.logprobs[start:stop])
+    return json.dumps(delta_logprobs(completion.token_ids[start:stop], steps), separators=(",", ":"))
 
 
 def start_progress(pipeline: Pipeline, job: Job, prompt_tokens: int, stream_ttl_s: int) -> None:
